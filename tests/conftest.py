@@ -1,0 +1,61 @@
+"""Shared helpers: composing the real config, and running the real `train.py` in a subprocess."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from wapstable.config import register_configs
+
+ROOT = Path(__file__).resolve().parents[1]
+register_configs()
+
+# Tiny settings that keep a real run of train.py to seconds on a CPU.
+TINY = [
+    "data.num_train=48",
+    "data.num_valid=8",
+    "data.num_test=8",
+    "data.difficulty=1",
+    "data.render_workers=1",
+    "data.max_batch=8",
+    "model.channels=[4,8,8,8]",
+    "model.convs_per_block=1",
+    "model.embed_dim=8",
+    "model.hidden_dim=16",
+    "model.attention.dim=8",
+    "model.attention.coverage_channels=4",
+    "model.attention.coverage_kernel=3",
+    "trainer.max_steps=3",
+    "trainer.eval_every=3",
+    "trainer.checkpoint_every=3",
+    "trainer.progress=false",
+    "trainer.threads=1",
+    "decode.max_len=12",
+]
+
+
+def compose_config(overrides=(), run_dir=None):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    if run_dir is not None:
+        cfg.run_dir = str(run_dir)
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    """One synthetic-data cache for the whole session, so tiny data sets render once."""
+    return tmp_path_factory.mktemp("cache")
+
+
+def run_train(args, run_dir, cache_dir, check=True, timeout=600, env_extra=None, tiny=True):
+    """Run the real `python train.py` with tiny settings into `run_dir`; returns the CompletedProcess."""
+    cmd = [sys.executable, str(ROOT / "train.py"), *(TINY if tiny else []), f"hydra.run.dir={run_dir}", *args]
+    env = {**os.environ, "WAPSTABLE_CACHE": str(cache_dir), "HYDRA_FULL_ERROR": "1", **(env_extra or {})}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc

@@ -1,0 +1,263 @@
+import logging
+
+import numpy as np
+import pytest
+
+from wapstable.crohme import load_crohme_split, parse_trace, rasterize_traces, read_inkml
+from wapstable.latex import DataError, check_vocab, normalize_crohme, tokenize_latex
+from wapstable.sample import Sample
+from wapstable.vocab import Vocab
+
+# ---------------------------------------------------------------------------------------------------------------
+# tokenising and normalising
+
+
+def test_tokenize_latex():
+    assert tokenize_latex(r"\frac{12}{x}") == ["\\frac", "{", "1", "2", "}", "{", "x", "}"]
+    assert tokenize_latex(r"  \alpha+\beta ") == ["\\alpha", "+", "\\beta"]
+    assert tokenize_latex(r"\{a\}") == ["\\{", "a", "\\}"]
+    assert tokenize_latex(r"a\,b\;c") == ["a", "\\,", "b", "\\;", "c"]
+    assert tokenize_latex(r"\sin x") == ["\\sin", "x"]
+    assert tokenize_latex("sin") == ["s", "i", "n"]
+    assert tokenize_latex(r"\alpha2") == ["\\alpha", "2"]  # a command name is letters only
+    assert tokenize_latex(r"f'(x)") == ["f", "'", "(", "x", ")"]
+    assert tokenize_latex("") == []
+
+
+def norm(s: str) -> str:
+    return " ".join(normalize_crohme(tokenize_latex(s)))
+
+
+@pytest.mark.parametrize(
+    "truth, expected",
+    [
+        (r"$x^2$", "x ^ { 2 }"),
+        (r"$x^{2}$", "x ^ { 2 }"),
+        (r"$x_1^2$", "x _ { 1 } ^ { 2 }"),
+        (r"$x^10$", "x ^ { 1 } 0"),  # as TeX reads it: only the first digit is raised
+        (r"$a^{b^c}$", "a ^ { b ^ { c } }"),
+        (r"$\frac12$", "\\frac { 1 } { 2 }"),
+        (r"$\frac{a}{b}$", "\\frac { a } { b }"),
+        (r"$\frac\alpha{x+1}$", "\\frac { \\alpha } { x + 1 }"),
+        (r"$\dfrac{1}{2}$", "\\frac { 1 } { 2 }"),
+        (r"$x^\frac{1}{2}$", "x ^ { \\frac { 1 } { 2 } }"),
+        (r"$\sqrt x$", "\\sqrt { x }"),
+        (r"$\sqrt{x+1}$", "\\sqrt { x + 1 }"),
+        (r"$\sqrt[3]{x}$", "\\sqrt [ 3 ] { x }"),
+        (r"$\sqrt[n]x$", "\\sqrt [ n ] { x }"),
+        (r"$\left( a+b \right)^{2}$", "( a + b ) ^ { 2 }"),
+        (r"$\left\{ x \right.$", "\\{ x"),
+        (r"$\left. \frac{df}{dx} \right|_{x=0}$", "\\frac { d f } { d x } | _ { x = 0 }"),
+        (r"$\left[ x \right]$", "[ x ]"),
+        (r"$\left\lbrace a \right\rbrace$", "\\{ a \\}"),
+        (r"$\bigl( x \bigr)$", "( x )"),
+        (r"$a \lt b \gt c$", "a < b > c"),
+        (r"$a\ne b$", "a \\neq b"),
+        (r"$a \le b \ge c$", "a \\leq b \\geq c"),
+        (r"$x \to 0$", "x \\rightarrow 0"),
+        (r"$1 + \dots + n$", "1 + \\ldots + n"),
+        (r"$1 + \cdots + n$", "1 + \\cdots + n"),  # WAP's dictionary has both
+        (r"$\displaystyle\sum_{i=1}^{n} i$", "\\sum _ { i = 1 } ^ { n } i"),
+        (
+            r"$\lim\limits_{x\to0}\frac{\sin x}{x}=1$",
+            "\\lim _ { x \\rightarrow 0 } \\frac { \\sin x } { x } = 1",
+        ),
+        (r"$\int_0^\infty e^{-x^2}\,dx$", "\\int _ { 0 } ^ { \\infty } e ^ { - x ^ { 2 } } d x"),
+        (r"$a \quad b\;c\!d$", "a b c d"),
+        (r"$\mbox{if } x$", "i f x"),
+        (r"$\mathrm{d}x$", "d x"),
+        (r"$e^\mathrm{T}$", "e ^ { T }"),
+        (r"$\{ a \}$", "\\{ a \\}"),
+        (r"$\frac{-b+\sqrt{b^2-4ac}}{2a}$", "\\frac { - b + \\sqrt { b ^ { 2 } - 4 a c } } { 2 a }"),
+        (r"$\sin^2\theta+\cos^2\theta=1$", "\\sin ^ { 2 } \\theta + \\cos ^ { 2 } \\theta = 1"),
+        (r"$f^{'}(x)$", "f ^ { ' } ( x )"),
+        (r"$\log_2 8 = 3$", "\\log _ { 2 } 8 = 3"),
+        (r"$$ 2\times3 $$", "2 \\times 3"),
+    ],
+)
+def test_normalize_crohme(truth, expected):
+    assert norm(truth) == expected
+
+
+@pytest.mark.parametrize(
+    "bad, why",
+    [
+        ("x^", "\\^ without an argument"),
+        ("{x", "unclosed"),
+        ("x}", "unmatched"),
+        (r"\frac{1}", "frac without"),
+    ],
+)
+def test_normalize_rejects_broken_latex(bad, why):
+    with pytest.raises(DataError, match=why):
+        norm(bad)
+
+
+def test_check_vocab(caplog):
+    vocab = Vocab(["<eol>", "x", "^", "{", "}", "2"])
+    good = Sample("good", np.ones((2, 2), np.uint8), ["x", "^", "{", "2", "}"])
+    bad = Sample("bad7", np.ones((2, 2), np.uint8), ["x", "+", "\\alpha"])
+    kept, errors = check_vocab([good, bad], vocab, "skip")
+    assert [s.id for s in kept] == ["good"]
+    assert len(errors) == 1 and "bad7" in errors[0] and "+" in errors[0] and "\\alpha" in errors[0]
+    with pytest.raises(DataError, match="bad7"):
+        check_vocab([good, bad], vocab, "fail")
+    with pytest.raises(ValueError, match="on_error"):
+        check_vocab([good], vocab, "ignore")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# InkML
+
+INKML = """<?xml version="1.0" encoding="UTF-8"?>
+<ink xmlns="http://www.w3.org/2003/InkML">
+  <traceFormat><channel name="X" type="decimal"/><channel name="Y" type="decimal"/></traceFormat>
+  <annotation type="writer">w1</annotation>
+  <annotation type="truth">{truth}</annotation>
+  {traces}
+  <traceGroup xml:id="9">
+    <annotation type="truth">Segmentation</annotation>
+    <traceGroup xml:id="10"><annotation type="truth">x</annotation><traceView traceDataRef="0"/></traceGroup>
+  </traceGroup>
+</ink>
+"""
+
+# an "x" (two strokes, x y points with float coordinates and untidy whitespace) and a "2" (x y t points)
+TRACES = """<trace id="0">
+  10.5 10.25, 20 20,30.0 30.5 </trace>
+  <trace id="1">30 10, 10 30,</trace>
+  <trace id="2">40 5 0, 50 4 1, 55 10 2, 42 30 3, 56 30 4</trace>"""
+
+
+def write(path, truth=r"$x^2$", traces=TRACES, text=None):
+    path.write_text(text if text is not None else INKML.format(truth=truth, traces=traces), encoding="utf-8")
+    return path
+
+
+def test_parse_trace():
+    assert parse_trace(" 1 2, 3.5 4 ,").tolist() == [[1.0, 2.0], [3.5, 4.0]]
+    assert parse_trace("1 2 100, 3 4 200").tolist() == [[1.0, 2.0], [3.0, 4.0]]  # time dropped
+    assert parse_trace("-1.5e1 2").tolist() == [[-15.0, 2.0]]
+    with pytest.raises(ValueError):
+        parse_trace("1 2, 3")
+    with pytest.raises(ValueError):
+        parse_trace("1 a")
+
+
+def test_read_inkml(tmp_path):
+    s = read_inkml(write(tmp_path / "expr_001.inkml"), height=48, line_width=2)
+    assert s.id == "expr_001"
+    assert s.tokens == ["x", "^", "{", "2", "}"]  # the expression's truth, not the traceGroup's "x"
+    assert s.image.dtype == np.uint8 and s.image.ndim == 2
+    assert s.image.shape[0] == 48 and s.image.shape[1] > 0
+    assert s.image.max() == 255 and s.image.min() == 0
+    # ink spans the box: rows up to the margin are empty, the middle is not
+    rows = np.flatnonzero(s.image.any(1))
+    assert rows[0] <= 6 and rows[-1] >= 41
+    assert not s.image[:2].any() and not s.image[-2:].any()
+
+
+def test_read_inkml_without_namespace(tmp_path):
+    text = '<ink><annotation type="truth">$a$</annotation><trace>0 0, 5 9</trace></ink>'
+    s = read_inkml(write(tmp_path / "plain.inkml", text=text), 32, 1)
+    assert s.tokens == ["a"] and s.image.any()
+
+
+def test_rasterize_shape_and_aspect():
+    square = [np.array([[0, 0], [100, 100]]), np.array([[0, 100], [100, 0]])]
+    img = rasterize_traces(square, height=40, line_width=1, margin=4)
+    assert img.shape == (40, 32 + 8 + 1)  # 32 px of ink plus the margins, as wide as tall
+    bars = [np.array([[0, 0], [0, 100]]), np.array([[400, 0], [400, 100]])]
+    wide = rasterize_traces(bars, height=40, line_width=1, margin=4)
+    assert wide.shape == (40, 128 + 8 + 1)
+    assert img.dtype == np.uint8 and set(np.unique(img)) <= {0, 255} and img.any()
+
+
+def test_rasterize_line_width():
+    traces = [np.array([[0, 0], [50, 80], [100, 0]], float)]
+    thin = rasterize_traces(traces, 64, line_width=1)
+    thick = rasterize_traces(traces, 64, line_width=5)
+    assert thin.shape == thick.shape
+    assert (thick > 0).sum() > 3 * (thin > 0).sum()
+
+
+def test_rasterize_degenerate_ink():
+    # a flat stroke (a lone minus) has zero height: it must not divide by zero nor become enormous
+    # and is drawn at symbol size, as long as the box is tall
+    flat = rasterize_traces([np.array([[0, 5], [100, 5]])], height=32, line_width=2, margin=4)
+    assert flat.shape == (32, 24 + 8 + 1) and flat[16].any() and not flat[:12].any()
+    # a single point, and a trace of repeated points, are dots
+    dot = rasterize_traces([np.array([[7.0, 7.0]])], height=32, line_width=3)
+    assert dot.shape[0] == 32 and dot.any()
+    same = rasterize_traces([np.array([[1, 1], [1, 1]]), np.array([[0, 0], [0, 20]])], 32, 1)
+    assert same.any()
+    # an extremely long, thin ink is capped in width
+    ticks = [np.array([[0, 0], [0, 1]]), np.array([[1e6, 0], [1e6, 1]])]
+    long = rasterize_traces(ticks, height=32, line_width=1, max_aspect=10)
+    assert long.shape == (32, 10 * 32 + 1)
+    with pytest.raises(ValueError):
+        rasterize_traces([], 32, 1)
+    with pytest.raises(ValueError):
+        rasterize_traces([np.array([[0, np.nan], [1, 1]])], 32, 1)
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, why",
+    [
+        ("malformed.inkml", {"text": "<ink><trace>1 2, 3 4</trace>"}, "not readable InkML"),
+        ("notruth.inkml", {"text": "<ink><trace>1 2, 3 4</trace></ink>"}, "truth"),
+        ("emptytruth.inkml", {"truth": "$ $"}, "truth"),
+        ("notraces.inkml", {"traces": ""}, "no <trace>"),
+        ("emptytrace.inkml", {"traces": '<trace id="0">  </trace>'}, "no <trace>"),
+        ("badpoint.inkml", {"traces": '<trace id="0">1 2, 3</trace>'}, "trace '0'"),
+        ("badtruth.inkml", {"truth": "$x^{2$"}, "does not parse"),
+    ],
+)
+def test_bad_inkml_names_the_file(tmp_path, name, kwargs, why):
+    path = write(tmp_path / name, **kwargs)
+    with pytest.raises(DataError, match=why) as e:
+        read_inkml(path, 32, 1)
+    assert name in str(e.value)
+
+
+def test_load_split_fail_and_skip(tmp_path, caplog):
+    for i in range(3):
+        write(tmp_path / f"good{i}.inkml", truth=rf"$x^{i}$")
+    (tmp_path / "sub").mkdir()
+    write(tmp_path / "sub" / "good3.inkml", truth=r"$\frac{1}{2}$")  # recursive
+    write(tmp_path / "bad_xml.inkml", text="<ink>")
+    write(tmp_path / "bad_truth.inkml", text="<ink><trace>1 2, 3 4</trace></ink>")
+    (tmp_path / "notes.txt").write_text("not inkml")
+
+    with pytest.raises(DataError, match="bad_truth.inkml"):  # sorted: bad_truth comes first
+        load_crohme_split(tmp_path, 32, 1, "fail")
+
+    with caplog.at_level(logging.WARNING):
+        samples, errors = load_crohme_split(tmp_path, 32, 1, "skip")
+    assert sorted(s.id for s in samples) == ["good0", "good1", "good2", "good3"]
+    assert next(s for s in samples if s.id == "good3").tokens == ["\\frac", "{", "1", "}", "{", "2", "}"]
+    assert len(errors) == 2
+    assert any("bad_xml.inkml" in m for m in errors) and any("bad_truth.inkml" in m for m in errors)
+    assert sum("bad_xml.inkml" in r.getMessage() for r in caplog.records) == 1
+    assert all(s.image.shape[0] == 32 for s in samples)
+
+
+def test_load_split_duplicate_ids(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    write(tmp_path / "a" / "same.inkml")
+    write(tmp_path / "b" / "same.inkml")
+    samples, errors = load_crohme_split(tmp_path, 32, 1, "skip")
+    assert len(samples) == 1 and len(errors) == 1 and "same" in errors[0]
+
+
+def test_load_split_missing_or_empty_folder(tmp_path):
+    with pytest.raises(DataError, match="does not exist.*data.root"):
+        load_crohme_split(tmp_path / "valid", 32, 1, "skip")
+    (tmp_path / "valid").mkdir()
+    (tmp_path / "valid" / "readme.txt").write_text("x")
+    with pytest.raises(DataError, match="has no .inkml files.*data.root") as e:
+        load_crohme_split(tmp_path / "valid", 32, 1, "skip")
+    assert "valid" in str(e.value)
+    with pytest.raises(ValueError, match="on_error"):
+        load_crohme_split(tmp_path / "valid", 32, 1, "warn")

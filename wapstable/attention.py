@@ -1,0 +1,89 @@
+"""WAP's coverage attention and the masked softmax whose naive form made the seed run die of NaN.
+
+Seed 000: the original WAP code computes `alpha = exp(e) * mask; alpha / alpha.sum()` with no max subtraction.
+e = 92 already overflows float32 (limit about e^88.7; float16 about e^11.1), and then inf * 0 or inf / inf is NaN.
+`masked_softmax(stable=True)` subtracts the per-row max over valid positions first (softmax is shift-invariant).
+"""
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+
+def masked_softmax(energy: Tensor, mask: Tensor, stable: bool = True, dim: int = -1) -> Tensor:
+    """Softmax of `energy` over the positions where `mask` is set; padding gets exactly 0.
+
+    stable=False is the original WAP formula, kept to reproduce its overflow on purpose.
+    A fully masked row gives all zeros in the stable form (NaN, 0/0, in the naive one).
+    """
+    if not stable:
+        # Left in the input dtype on purpose: float16 must overflow where the original code did (e > 11.1).
+        alpha = torch.exp(energy) * mask.to(energy.dtype)
+        return alpha / alpha.sum(dim, keepdim=True)
+    # float16/bfloat16 are upcast: a sum over thousands of positions loses digits in them, and torch.softmax
+    # under autocast runs in float32 too; the result is cast back so callers see their own dtype.
+    x = energy.float() if energy.dtype in (torch.float16, torch.bfloat16) else energy
+    valid = mask.bool()
+    # Fill with the dtype's min, not -inf: the anomaly localiser flags any non-finite op output, and a fully
+    # masked row would make the max -inf and then (-inf) - (-inf) = NaN. The max is a constant shift of the
+    # softmax, so its gradient is exactly 0: detach it rather than route a zero gradient through amax.
+    m = x.detach().masked_fill(~valid, torch.finfo(x.dtype).min).amax(dim, keepdim=True)
+    m = m.masked_fill(~valid.any(dim, keepdim=True), 0.0)
+    # Padding is zeroed before exp as well as after: a large energy at a padded position would overflow to inf,
+    # and inf * 0 = NaN is the very failure this function exists to avoid.
+    e = torch.exp((x - m).masked_fill(~valid, 0.0)) * valid.to(x.dtype)
+    # The argmax position contributes exp(0) = 1, so a row with any valid position sums to >= 1 and the floor only
+    # acts on fully masked rows (0 / floor = 0). A floor near finfo.tiny would let grad / sum overflow to inf in
+    # backward, and inf * 0 = NaN in exp's backward: 1e-6 keeps it finite.
+    alpha = e / e.sum(dim, keepdim=True).clamp_min(1e-6)
+    return alpha.to(energy.dtype)
+
+
+class CoverageAttention(nn.Module):
+    """WAP coverage attention (Zhang et al. 2017, eq. 9-12): e_ti = v^T tanh(W h + U a_i + U_f f_i).
+
+    f = Q * (sum of past alphas) is a conv over the coverage map, so the parser knows what it already read.
+    """
+
+    def __init__(
+        self,
+        query_dim: int,
+        feat_dim: int,
+        dim: int,
+        coverage_channels: int,
+        coverage_kernel: int,
+        stable: bool = True,
+    ):
+        super().__init__()
+        if coverage_kernel % 2 != 1:
+            raise ValueError(
+                f"model.attention.coverage_kernel must be odd (got {coverage_kernel}) so the coverage conv "
+                "keeps the feature map's size"
+            )
+        self.feat_proj = nn.Linear(feat_dim, dim)  # U (with the one bias of the sum)
+        self.query_proj = nn.Linear(query_dim, dim, bias=False)  # W
+        self.coverage_conv = nn.Conv2d(1, coverage_channels, coverage_kernel, padding=coverage_kernel // 2)  # Q
+        self.coverage_proj = nn.Linear(coverage_channels, dim, bias=False)  # U_f
+        # No bias on v: softmax is shift-invariant, a bias there would get zero gradient.
+        self.v = nn.Linear(dim, 1, bias=False)
+        self.stable = stable
+        # Fault-injection hook: 1e4 makes the naive softmax overflow, reproducing seed 000 end to end.
+        self.energy_scale = 1.0
+
+    def project_features(self, features: Tensor) -> Tensor:
+        """U a_i for every position, once per image rather than once per decoding step: (B, L, C) -> (B, L, A)."""
+        return self.feat_proj(features)
+
+    def forward(
+        self, query: Tensor, features: Tensor, proj: Tensor, mask: Tensor, coverage: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Context (B, C) and attention (B, h, w) for query (B, Hq), features (B, L, C), proj (B, L, A),
+        mask (B, h, w) and coverage (B, h, w) = the sum of the past steps' alphas."""
+        B, h, w = coverage.shape
+        cov = self.coverage_conv(coverage.unsqueeze(1))  # (B, Cq, h, w)
+        cov = self.coverage_proj(cov.flatten(2).transpose(1, 2))  # (B, L, A)
+        energy = self.v(torch.tanh(proj + self.query_proj(query).unsqueeze(1) + cov)).squeeze(-1)  # (B, L)
+        alpha = masked_softmax(energy * self.energy_scale, mask.reshape(B, h * w), stable=self.stable)  # (B, L)
+        context = torch.bmm(alpha.unsqueeze(1).to(features.dtype), features).squeeze(1)  # (B, C)
+        return context, alpha.view(B, h, w)
+

@@ -1,0 +1,177 @@
+"""The typed config schema: dataclasses registered in Hydra's ConfigStore.
+
+Every YAML file under `conf/` is merged onto these classes, so a typo in a key or a value of the wrong type fails
+before anything runs, with OmegaConf's message naming the key. Only this module and the entry points import Hydra.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class AttentionConfig:
+    dim: int = 64  # attention dim (VGG WAP: 128, DenseWAP: 512)
+    coverage_channels: int = 32  # channels of the coverage conv over the summed past alphas
+    coverage_kernel: int = 5  # VGG WAP: 5x5, DenseWAP: 11x11
+    stable: bool = True  # subtract the per-sample max before exp; false = the original naive formula
+
+
+@dataclass
+class ModelConfig:
+    name: str = "small"
+    watcher: str = "vgg"  # vgg | dense
+    # VGG-FCN watcher: len(channels) blocks of `convs_per_block` conv3x3 + BN + ReLU, then 2x2 max-pool.
+    channels: list[int] = field(default_factory=lambda: [16, 32, 48, 64])
+    convs_per_block: int = 2
+    # DenseNet watcher (DenseWAP): conv7x7/2 + max-pool, dense blocks of bottleneck layers, transitions.
+    dense_init_channels: int = 48
+    dense_growth: int = 24
+    dense_layers: int = 16
+    dense_blocks: int = 3
+    dense_compression: float = 0.5
+    embed_dim: int = 64
+    hidden_dim: int = 128
+    dropout: float = 0.0
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+
+
+@dataclass
+class DataConfig:
+    name: str = "synthetic"  # synthetic | crohme | wap_pkl
+    cache_dir: str = "${oc.env:WAPSTABLE_CACHE,${oc.env:HOME,.}/.cache/wapstable}"
+    # synthetic
+    num_train: int = 3000
+    num_valid: int = 200
+    num_test: int = 200
+    difficulty: int = 2  # 1 = flat strings .. 4 = deep nesting of fractions, scripts, roots and big operators
+    fonts: list[str] = field(default_factory=lambda: ["cm", "stix", "dejavuserif", "dejavusans", "stixsans"])
+    font_size: int = 16
+    augment: bool = True
+    seed: int = 0
+    render_workers: int = 2
+    # real data (crohme: a folder of InkML files per split; wap_pkl: pickles + captions + dictionary)
+    root: str | None = None
+    train: str = "train"
+    valid: str = "valid"
+    test: str = "test"
+    dictionary: str | None = None
+    height: int = 64  # rasterised InkML height in pixels
+    line_width: int = 2
+    on_error: str = "fail"  # fail | skip
+    # batching as in WAP: sort by size, fill under a pixel budget
+    pixel_budget: int = 120000
+    max_batch: int = 16
+    max_image_pixels: int = 120000  # larger images are dropped, as WAP does
+    max_tokens: int = 200  # longer labels are dropped
+    num_workers: int = 0
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adadelta"  # adadelta | adam | sgd
+    lr: float = 1.0
+    rho: float = 0.95
+    eps: float = 1e-6
+    weight_decay: float = 1e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    momentum: float = 0.0
+    schedule: str = "constant"  # constant | cosine | step
+    warmup_steps: int = 0
+    step_size: int = 1000
+    gamma: float = 0.5
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class ClipConfig:
+    mode: str = "norm"  # none | norm | value | inf | agc | autoclip
+    max_norm: float = 100.0
+    norm_type: float = 2.0
+    value: float = 1.0
+    factor: float = 0.01
+    eps: float = 1e-3
+    percentile: float = 10.0
+    history: int = 10000  # grad norms kept for autoclip
+
+
+@dataclass
+class GuardConfig:
+    skip_nonfinite: bool = True
+    max_consecutive_skips: int = 5
+    max_total_skips: int = 1000
+    skip_spikes: bool = False
+    spike_window: int = 128
+    spike_zscore: float = 6.0
+    spike_warmup: int = 32
+    detect_anomaly: bool = False
+    checkpoint_on_anomaly: bool = True
+    max_anomaly_checkpoints: int = 3
+    localize: bool = True
+    on_budget_exhausted: str = "stop"  # stop | rollback
+    snapshot_every: int = 50
+    lr_backoff: float = 0.5
+    clip_backoff: float = 0.5
+    max_rollbacks: int = 3
+
+
+@dataclass
+class FaultConfig:
+    name: str = "none"  # none | nan_input | inf_loss | lr_spike | attention_overflow
+    step: int = 5
+    steps: int = 1  # how many consecutive steps the fault fires
+    rank: int = 0
+    scale: float = 1e4  # attention_overflow: energy multiplier; lr_spike: lr multiplier
+
+
+@dataclass
+class StatsConfig:
+    every: int = 50
+    histogram_every: int = 500
+    attention_images: int = 4
+
+
+@dataclass
+class DecodeConfig:
+    beam_size: int = 1  # 1 = greedy
+    max_len: int = 100
+    final_beam_size: int = 1
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 1500
+    eval_every: int = 250
+    checkpoint_every: int = 250
+    log_every: int = 10
+    device: str = "auto"  # auto | cpu | cuda
+    precision: str = "32"  # 32 | bf16 | fp16
+    ddp: bool = False
+    consistency_every: int = 100
+    progress: bool = True
+    threads: int = 0  # torch intra-op threads; 0 = torch's default
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    clip: ClipConfig = field(default_factory=ClipConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    stats: StatsConfig = field(default_factory=StatsConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    seed: int = 0
+    resume: str | None = None  # PATH to a checkpoint, or "auto" for the run directory's last.pt
+    optimize_metric: str = "best_valid_exprate"
+    run_dir: str = "${hydra:runtime.output_dir}"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def register_configs() -> None:
+    """Register the schema so that `conf/config.yaml` and every group file are checked against it."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)

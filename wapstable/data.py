@@ -1,0 +1,247 @@
+"""Data sources (one dispatch point), WAP-style size-bucketed batching, padding masks, and the batch stream.
+
+Batching follows the original WAP code: sort images by size, fill each batch while the padded batch stays under a
+pixel budget and a maximum batch size, drop images over the budget and labels over `max_tokens`.
+"""
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from .errors import UserError
+from .sample import Sample
+from .vocab import Vocab
+
+log = logging.getLogger(__name__)
+SPLITS = ("train", "valid", "test")
+
+
+class Batch(NamedTuple):
+    images: torch.Tensor  # (B, 1, H, W) float in [0, 1], ink bright, padded with 0
+    image_mask: torch.Tensor  # (B, H, W) float, 1 = real pixel
+    targets: torch.Tensor  # (B, T) long, each label followed by <eol> = 0, padded with 0
+    target_mask: torch.Tensor  # (B, T) float, 1 = real token (the <eol> included)
+    ids: list[str]
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(*(t.to(device, non_blocking=True) for t in self[:4]), self.ids)
+
+
+def load_splits(cfg_data) -> dict[str, list[Sample]]:
+    """The train/valid/test samples of the configured data source."""
+    name = cfg_data.name
+    if name == "synthetic":
+        from .synthetic import build_splits
+
+        return build_splits(cfg_data)
+    if cfg_data.on_error not in ("fail", "skip"):
+        raise UserError(f"data.on_error={cfg_data.on_error!r} is not valid; use data.on_error=fail or skip")
+    if not cfg_data.root:
+        raise UserError(f"data={name} needs data.root, the folder that holds the data set")
+    root = Path(cfg_data.root).expanduser()
+    if not root.is_dir():
+        raise UserError(f"data.root={cfg_data.root} is not a folder; set data.root to the {name} data folder")
+    splits, errors = {}, []
+    for split in SPLITS:
+        part = getattr(cfg_data, split)
+        try:
+            if name == "crohme":
+                from .crohme import load_crohme_split
+
+                samples, errs = load_crohme_split(
+                    root / part, cfg_data.height, cfg_data.line_width, cfg_data.on_error
+                )
+            elif name == "wap_pkl":
+                from .wap_pkl import load_wap_split
+
+                samples, errs = load_wap_split(
+                    root / f"offline-{part}.pkl", root / f"{part}_caption.txt", cfg_data.on_error
+                )
+            else:
+                raise UserError(f"data.name={name!r} is unknown; use synthetic, crohme or wap_pkl")
+        except (ValueError, OSError) as e:
+            if isinstance(e, UserError):
+                raise
+            raise UserError(str(e)) from None
+        splits[split], errors = samples, errors + errs
+    if errors:
+        log.warning("skipped %d bad files or samples (data.on_error=skip)", len(errors))
+    for split, samples in splits.items():
+        if not samples:
+            raise UserError(f"the {split} split of data={name} under {root} is empty; check data.root and data.{split}")
+    return splits
+
+
+def load_vocab(cfg_data, splits: dict[str, list[Sample]]) -> Vocab:
+    """The dictionary file when the data set has one (WAP format), else every token of the data."""
+    if cfg_data.dictionary:
+        path = Path(cfg_data.dictionary).expanduser()
+        if not path.is_absolute() and cfg_data.root:
+            path = Path(cfg_data.root).expanduser() / path
+        if not path.is_file():
+            raise UserError(f"data.dictionary={cfg_data.dictionary} does not exist; point it at a tok<TAB>index file")
+        try:
+            return Vocab.load(path)
+        except ValueError as e:
+            raise UserError(f"data.dictionary: {e}") from None
+    return Vocab.build(s.tokens for samples in splits.values() for s in samples)
+
+
+def check_labels(samples: list[Sample], vocab: Vocab, on_error: str) -> list[Sample]:
+    """Samples whose tokens are all in the vocabulary; an unknown token fails or is skipped per data.on_error."""
+    kept = []
+    for s in samples:
+        try:
+            vocab.encode(s.tokens, where=f"the label of sample {s.id}")
+        except ValueError as e:
+            if on_error == "fail":
+                raise UserError(f"{e} (or set data.on_error=skip)") from None
+            log.warning("skipping: %s", e)
+            continue
+        kept.append(s)
+    return kept
+
+
+def filter_samples(samples: list[Sample], max_image_pixels: int, max_tokens: int) -> list[Sample]:
+    """Drop images over the pixel budget and labels over `max_tokens`, as WAP does, and say how many."""
+    kept = [s for s in samples if s.image.size <= max_image_pixels and len(s.tokens) <= max_tokens]
+    if len(kept) < len(samples):
+        log.info(
+            "dropped %d of %d samples over data.max_image_pixels=%d or data.max_tokens=%d",
+            len(samples) - len(kept),
+            len(samples),
+            max_image_pixels,
+            max_tokens,
+        )
+    return kept
+
+
+def make_batches(samples: Sequence[Sample], pixel_budget: int, max_batch: int) -> list[list[int]]:
+    """Indices of samples grouped WAP-style: sorted by size, each padded batch under `pixel_budget` pixels."""
+    order = sorted(range(len(samples)), key=lambda i: (samples[i].image.size, samples[i].id))
+    batches, current, max_h, max_w = [], [], 0, 0
+    for i in order:
+        h, w = samples[i].image.shape
+        nh, nw = max(max_h, h), max(max_w, w)
+        if current and (len(current) == max_batch or nh * nw * (len(current) + 1) > pixel_budget):
+            batches.append(current)
+            current, nh, nw = [], h, w
+        current.append(i)
+        max_h, max_w = nh, nw
+    if current:
+        batches.append(current)
+    return batches
+
+
+def collate(samples: Sequence[Sample], vocab: Vocab) -> Batch:
+    """Pad images (with background 0) and labels (with <eol> 0) to the batch maximum, with masks."""
+    b = len(samples)
+    h = max(s.image.shape[0] for s in samples)
+    w = max(s.image.shape[1] for s in samples)
+    t = max(len(s.tokens) for s in samples) + 1  # + <eol>
+    images = np.zeros((b, 1, h, w), dtype=np.float32)
+    image_mask = np.zeros((b, h, w), dtype=np.float32)
+    targets = np.zeros((b, t), dtype=np.int64)
+    target_mask = np.zeros((b, t), dtype=np.float32)
+    for k, s in enumerate(samples):
+        sh, sw = s.image.shape
+        images[k, 0, :sh, :sw] = s.image / 255.0
+        image_mask[k, :sh, :sw] = 1.0
+        ids = vocab.encode(s.tokens, where=f"the label of sample {s.id}")
+        targets[k, : len(ids)] = ids
+        target_mask[k, : len(ids) + 1] = 1.0
+    return Batch(
+        torch.from_numpy(images),
+        torch.from_numpy(image_mask),
+        torch.from_numpy(targets),
+        torch.from_numpy(target_mask),
+        [s.id for s in samples],
+    )
+
+
+class _BatchDataset(Dataset):
+    def __init__(self, samples: Sequence[Sample], batches: list[list[int]], vocab: Vocab):
+        self.samples, self.batches, self.vocab = samples, batches, vocab
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: int) -> Batch:
+        return collate([self.samples[j] for j in self.batches[i]], self.vocab)
+
+
+def _identity(x):
+    return x
+
+
+class BatchStream:
+    """An endless, resumable stream of training batches.
+
+    Epoch e visits the batches in an order drawn from (seed, e); with several ranks each takes every world-th
+    batch of that order (trimmed to equal counts), so ranks never share a batch. `state_dict()` is the position
+    (epoch, index within the epoch) of the next batch.
+    """
+
+    def __init__(
+        self,
+        samples: Sequence[Sample],
+        vocab: Vocab,
+        pixel_budget: int,
+        max_batch: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+    ):
+        self.batches = make_batches(samples, pixel_budget, max_batch)
+        if len(self.batches) < world_size:
+            raise UserError(f"the training split gives {len(self.batches)} batches for {world_size} processes")
+        self.dataset = _BatchDataset(samples, self.batches, vocab)
+        self.seed, self.rank, self.world_size, self.num_workers = seed, rank, world_size, num_workers
+        self.epoch, self.index = 0, 0
+        self._iter = None
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.batches))
+        per_rank = len(order) // self.world_size
+        return order[self.rank :: self.world_size][:per_rank].tolist()
+
+    def __len__(self) -> int:
+        return len(self.batches) // self.world_size
+
+    def _start(self):
+        order = self.epoch_order(self.epoch)[self.index :]
+        loader = DataLoader(
+            self.dataset,
+            sampler=order,
+            batch_size=None,
+            num_workers=self.num_workers,
+            collate_fn=_identity,
+            timeout=120 if self.num_workers else 0,
+        )
+        self._iter = iter(loader)
+
+    def next(self) -> Batch:
+        """The next batch; wraps to a new epoch order at the end of an epoch."""
+        if self._iter is None:
+            self._start()
+        try:
+            batch = next(self._iter)
+        except StopIteration:
+            self.epoch, self.index = self.epoch + 1, 0
+            self._start()
+            batch = next(self._iter)
+        self.index += 1
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        self._iter = None

@@ -1,0 +1,257 @@
+"""WAP, Watch, Attend and Parse (Zhang et al. 2017): a conv watcher and a coverage-attention GRU parser.
+
+Padding is invisible to the output: images are padded with 0 (background) and every spatial op sees the padded
+region as exact zeros, like a conv's own zero padding. So an image alone and the same image padded inside a batch
+give the same logits in eval mode. That takes three things: the mask is multiplied in after every BN + ReLU that
+precedes a spatial op (BN's shift would otherwise turn padded zeros into a constant), pools use ceil_mode (an odd
+border column then has its own cell, as it does when the image is alone), and average pools divide by the count
+of valid pixels.
+"""
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from wapstable.attention import CoverageAttention
+
+
+def _pool_mask(mask: Tensor) -> Tensor:
+    """The mask after a 2x2 ceil-mode pool: a cell is valid if any of its pixels is. (B, 1, H, W) -> (B, 1, h, w)"""
+    return F.max_pool2d(mask, 2, ceil_mode=True)
+
+
+def _masked_avg_pool(x: Tensor, mask: Tensor) -> Tensor:
+    """2x2 average over valid pixels only, so a border cell half in the padding averages what the image alone has."""
+    total = F.avg_pool2d(x * mask, 2, ceil_mode=True, divisor_override=1)  # (B, C, h, w)
+    count = F.avg_pool2d(mask, 2, ceil_mode=True, divisor_override=1)  # (B, 1, h, w)
+    return total / count.clamp_min(1.0)
+
+
+class VGGWatcher(nn.Module):
+    """WAP's VGG-FCN watcher: blocks of conv3x3 + BN + ReLU, a 2x2 max-pool after each block."""
+
+    def __init__(self, channels: list[int], convs_per_block: int):
+        super().__init__()
+        self.blocks = nn.ModuleList()
+        cin = 1
+        for cout in channels:
+            layers = nn.ModuleList()
+            for _ in range(convs_per_block):
+                # No conv bias: the BN right after has its own.
+                layers.append(nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout)))
+                cin = cout
+            self.blocks.append(layers)
+        self.out_channels = cin
+        self.stride = 2 ** len(channels)
+
+    def forward(self, x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """(B, 1, H, W) image and mask -> (B, C, h, w) features and (B, 1, h, w) mask."""
+        for block in self.blocks:
+            for layer in block:
+                x = F.relu(layer(x)) * mask
+            # Post-ReLU values are >= 0, so the zeroed padding never wins the max.
+            x = F.max_pool2d(x, 2, ceil_mode=True)
+            mask = _pool_mask(mask)
+        return x, mask
+
+
+class DenseLayer(nn.Module):
+    """DenseNet-BC bottleneck layer: BN-ReLU-conv1x1(4k)-BN-ReLU-conv3x3(k), its k maps appended to the input."""
+
+    def __init__(self, cin: int, growth: int, dropout: float):
+        super().__init__()
+        self.norm1 = nn.BatchNorm2d(cin)
+        self.conv1 = nn.Conv2d(cin, 4 * growth, 1, bias=False)
+        self.norm2 = nn.BatchNorm2d(4 * growth)
+        self.conv2 = nn.Conv2d(4 * growth, growth, 3, padding=1, bias=False)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        y = self.conv1(F.relu(self.norm1(x)))  # (B, 4k, h, w); 1x1, so padding leaks nowhere yet
+        y = self.conv2(F.relu(self.norm2(y)) * mask)  # (B, k, h, w)
+        return torch.cat([x, self.drop(y) * mask], 1)
+
+
+class DenseWatcher(nn.Module):
+    """DenseWAP's watcher (Zhang et al. 2018): conv7x7/2 + max-pool, dense blocks, transitions between them."""
+
+    def __init__(self, init_channels: int, growth: int, layers: int, blocks: int, compression: float, dropout: float):
+        super().__init__()
+        self.stem = nn.Conv2d(1, init_channels, 7, stride=2, padding=3, bias=False)
+        self.stem_norm = nn.BatchNorm2d(init_channels)
+        self.blocks = nn.ModuleList()
+        self.transitions = nn.ModuleList()
+        c = init_channels
+        for b in range(blocks):
+            block = nn.ModuleList()
+            for _ in range(layers):
+                block.append(DenseLayer(c, growth, dropout))
+                c += growth
+            self.blocks.append(block)
+            if b < blocks - 1:
+                cout = int(c * compression)
+                self.transitions.append(nn.Sequential(nn.BatchNorm2d(c), nn.ReLU(), nn.Conv2d(c, cout, 1, bias=False)))
+                c = cout
+        # A final BN + ReLU as torchvision's DenseNet (norm5): the concatenated maps are otherwise unnormalised.
+        self.out_norm = nn.BatchNorm2d(c)
+        self.out_channels = c  # paper sizes: 48 + 16*24 = 432 -> 216 + 384 = 600 -> 300 + 384 = 684
+        self.stride = 4 * 2 ** (blocks - 1)  # stem conv /2, max-pool /2, one avg-pool per transition
+
+    def forward(self, x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """(B, 1, H, W) image and mask -> (B, C, h, w) features and (B, 1, h, w) mask."""
+        # Output j of the stride-2 conv is centred on input 2j, so it is valid where that pixel is.
+        mask = mask[:, :, ::2, ::2]
+        x = F.relu(self.stem_norm(self.stem(x))) * mask
+        x = F.max_pool2d(x, 2, ceil_mode=True)
+        mask = _pool_mask(mask)
+        for b, block in enumerate(self.blocks):
+            for layer in block:
+                x = layer(x, mask)
+            if b < len(self.transitions):
+                x = _masked_avg_pool(self.transitions[b](x), mask)
+                mask = _pool_mask(mask)
+        return F.relu(self.out_norm(x)) * mask, mask
+
+
+@dataclass
+class DecoderState:
+    """What the parser carries from step to step; every field is batch-first so beams can be index_select-ed."""
+
+    h: Tensor  # (B, H) parser state h_{t-1}
+    coverage: Tensor  # (B, h, w) sum of the past steps' alphas
+    features: Tensor  # (B, L, C) watcher annotations a_i, L = h*w
+    proj: Tensor  # (B, L, A) U a_i, computed once per image
+    mask: Tensor  # (B, h, w) valid feature positions
+
+
+_MEMORY = ("features", "proj", "mask")
+
+
+def select_state(state: DecoderState, index: Tensor, memory: bool = True) -> DecoderState:
+    """The state of rows `index` (B',) of `state`.
+
+    memory=False keeps the per-image tensors (features, proj, mask) as they are: valid, and a large saving, when
+    `index` only reorders rows that hold the same image, as beam search does between its beams.
+    """
+    return DecoderState(
+        **{
+            f.name: getattr(state, f.name)
+            if (not memory and f.name in _MEMORY)
+            else getattr(state, f.name).index_select(0, index)
+            for f in fields(state)
+        }
+    )
+
+
+class Parser(nn.Module):
+    """WAP's conditional GRU decoder: GRU(embedding) -> coverage attention -> GRU(context) -> maxout readout."""
+
+    def __init__(self, cfg, feat_dim: int, vocab_size: int):
+        super().__init__()
+        E, H, A = cfg.embed_dim, cfg.hidden_dim, cfg.attention
+        if E % 2:
+            raise ValueError(f"model.embed_dim must be even for the maxout readout's pairs of units (got {E})")
+        # One extra row: the start token, index vocab_size (WAP fed zeros at t=0; a learned row is no worse).
+        self.embed = nn.Embedding(vocab_size + 1, E)
+        self.init_h = nn.Linear(feat_dim, H)
+        self.gru1 = nn.GRUCell(E, H)
+        self.attention = CoverageAttention(H, feat_dim, A.dim, A.coverage_channels, A.coverage_kernel, A.stable)
+        self.gru2 = nn.GRUCell(feat_dim, H)
+        # WAP's readout is Linear(h) + Linear(emb) + Linear(context): one Linear over the concatenation is the same.
+        self.readout = nn.Linear(H + E + feat_dim, E)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.out = nn.Linear(E // 2, vocab_size)
+
+    def init_state(self, features: Tensor, feat_mask: Tensor) -> DecoderState:
+        """h0 = tanh(Linear(mean of the valid annotations)), as WAP; features (B, C, h, w), feat_mask (B, h, w)."""
+        B, C, h, w = features.shape
+        flat = features.flatten(2).transpose(1, 2)  # (B, L, C)
+        m = feat_mask.reshape(B, h * w, 1).to(flat.dtype)
+        mean = (flat * m).sum(1) / m.sum(1).clamp_min(1.0)  # (B, C)
+        return DecoderState(
+            h=torch.tanh(self.init_h(mean)),
+            # At least float32: under bf16 autocast 1.0 + 0.003 rounds back to 1.0 and coverage would stop growing.
+            coverage=features.new_zeros(B, h, w, dtype=torch.promote_types(features.dtype, torch.float32)),
+            features=flat,
+            proj=self.attention.project_features(flat),
+            mask=feat_mask.to(features.dtype),
+        )
+
+    def step(self, state: DecoderState, emb: Tensor) -> tuple[Tensor, DecoderState, Tensor]:
+        """One decoding step from the previous token's embedding (B, E): logits (B, V), new state, alpha (B, h, w)."""
+        h_tilde = self.gru1(emb, state.h)  # (B, H)
+        context, alpha = self.attention(h_tilde, state.features, state.proj, state.mask, state.coverage)
+        h = self.gru2(context, h_tilde)  # (B, H)
+        r = self.readout(torch.cat([h, emb, context], -1))  # (B, E)
+        r = r.view(*r.shape[:-1], -1, 2).amax(-1)  # (B, E/2) maxout over pairs, WAP's readout
+        logits = self.out(self.drop(r))
+        new = DecoderState(h, state.coverage + alpha, state.features, state.proj, state.mask)
+        return logits, new, alpha
+
+
+class WAP(nn.Module):
+    """Watcher (VGG or DenseNet encoder) + Parser (coverage-attention conditional GRU)."""
+
+    select_state = staticmethod(select_state)
+
+    def __init__(self, watcher: nn.Module, parser: Parser, vocab_size: int):
+        super().__init__()
+        self.watcher = watcher
+        self.parser = parser
+        self.vocab_size = vocab_size
+        self.start_index = vocab_size  # the extra embedding row
+
+    def output_layer_names(self) -> list[str]:
+        """Dotted names of the output layer's parameters (adaptive gradient clipping leaves them alone)."""
+        return [f"parser.out.{n}" for n, _ in self.parser.out.named_parameters()]
+
+    def encode(self, images: Tensor, image_mask: Tensor) -> tuple[Tensor, Tensor]:
+        """images (B, 1, H, W), image_mask (B, H, W) -> features (B, C, h, w) (0 on padding), feat_mask (B, h, w)."""
+        m = image_mask.to(images.dtype).unsqueeze(1)  # (B, 1, H, W)
+        features, m = self.watcher(images * m, m)
+        return features, m.squeeze(1)
+
+    def init_state(self, features: Tensor, feat_mask: Tensor) -> DecoderState:
+        """The parser's state before the first token."""
+        return self.parser.init_state(features, feat_mask)
+
+    def step(self, state: DecoderState, prev_tokens: Tensor) -> tuple[Tensor, DecoderState, Tensor]:
+        """Decode one token: prev_tokens (B,) -> log_probs (B, V), new state, alpha (B, h, w)."""
+        logits, state, alpha = self.parser.step(state, self.parser.embed(prev_tokens))
+        return F.log_softmax(logits.float(), -1), state, alpha
+
+    def forward(
+        self, images: Tensor, image_mask: Tensor, targets: Tensor, target_mask: Tensor | None = None
+    ) -> Tensor:
+        """Teacher-forced logits (B, T, V): step t reads targets[:, t-1] (the start token at t=0).
+
+        targets (B, T) end with `<eol>` = 0 and are padded after it; `target_mask` (B, T) is accepted for a uniform
+        call but not needed: the parser is causal, so steps past the end change nothing before it, and the loss
+        drops them.
+        """
+        features, feat_mask = self.encode(images, image_mask)
+        state = self.init_state(features, feat_mask)
+        start = targets.new_full((targets.size(0), 1), self.start_index)
+        emb = self.parser.embed(torch.cat([start, targets[:, :-1]], 1))  # (B, T, E)
+        logits = []
+        for t in range(targets.size(1)):
+            logit, state, _ = self.parser.step(state, emb[:, t])
+            logits.append(logit)
+        return torch.stack(logits, 1)
+
+
+def build_model(cfg_model, vocab_size: int) -> WAP:
+    """The WAP of `cfg_model` (a ModelConfig) for a vocabulary of `vocab_size` tokens (`<eol>` = 0)."""
+    c = cfg_model
+    if c.watcher == "vgg":
+        watcher = VGGWatcher(list(c.channels), c.convs_per_block)
+    elif c.watcher == "dense":
+        watcher = DenseWatcher(
+            c.dense_init_channels, c.dense_growth, c.dense_layers, c.dense_blocks, c.dense_compression, c.dropout
+        )
+    else:
+        raise ValueError(f"model.watcher must be 'vgg' or 'dense' (got {c.watcher!r})")
+    return WAP(watcher, Parser(c, watcher.out_channels, vocab_size), vocab_size)

@@ -1,0 +1,50 @@
+"""Deliberate faults (config group `fault`), one dispatch point: for demos, tests, and checking a setup.
+
+`fault.step` is the first step it fires, `fault.steps` how many steps in a row, `fault.rank` which process.
+"""
+
+import torch
+
+from ..errors import UserError
+
+FAULTS = ("none", "nan_input", "inf_loss", "lr_spike", "attention_overflow")
+
+
+class Fault:
+    def __init__(self, cfg_fault, rank: int = 0):
+        if cfg_fault.name not in FAULTS:
+            raise UserError(f"fault.name={cfg_fault.name!r} is unknown; use fault={', '.join(FAULTS)}")
+        if cfg_fault.step < 0 or cfg_fault.steps < 1:
+            raise UserError(f"fault.step={cfg_fault.step} must be >= 0 and fault.steps={cfg_fault.steps} >= 1")
+        self.name, self.first, self.steps = cfg_fault.name, cfg_fault.step, cfg_fault.steps
+        self.scale, self.here = cfg_fault.scale, cfg_fault.rank == rank
+
+    def active(self, step: int) -> bool:
+        return self.name != "none" and self.here and self.first <= step < self.first + self.steps
+
+    def batch(self, images: torch.Tensor, step: int) -> torch.Tensor:
+        """nan_input: one NaN pixel in the first image, which convolutions spread to the loss."""
+        if self.name == "nan_input" and self.active(step):
+            images = images.clone()
+            images[0, 0, 0, 0] = float("nan")
+        return images
+
+    def loss(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+        """inf_loss: the loss times inf; its gradients turn NaN/Inf."""
+        if self.name == "inf_loss" and self.active(step):
+            return loss * float("inf")
+        return loss
+
+    def lr_multiplier(self, step: int) -> float:
+        """lr_spike: the step's learning rate times fault.scale, so the weights blow up."""
+        return self.scale if self.name == "lr_spike" and self.active(step) else 1.0
+
+    def energy_scale(self, step: int) -> float:
+        """attention_overflow: attention energies times fault.scale, so the naive exp overflows (seed 000)."""
+        return self.scale if self.name == "attention_overflow" and self.active(step) else 1.0
+
+    def set_model(self, model: torch.nn.Module, step: int) -> None:
+        scale = self.energy_scale(step)
+        for m in model.modules():
+            if hasattr(m, "energy_scale"):
+                m.energy_scale = scale

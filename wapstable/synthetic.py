@@ -1,0 +1,463 @@
+"""Synthetic handwritten-math data: random LaTeX expressions rendered with matplotlib mathtext.
+
+A small recursive grammar emits CROHME-style token lists (every token separate, braces their own tokens),
+mathtext rasterises them through Agg straight into memory, and torchvision's v2 kernels bend the result a little
+so it looks less typeset. Everything random is drawn from numpy Generators seeded by (seed, split, index), so a
+config gives bit-identical data however many worker processes render it. The splits are rendered once and
+cached as an .npz under `cache_dir/synthetic/<hash of the parameters>/`.
+"""
+
+import hashlib
+import json
+import logging
+import math
+import multiprocessing as mp
+import os
+import tempfile
+import time
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+import torch
+import torchvision
+from matplotlib.font_manager import FontProperties
+from matplotlib.mathtext import MathTextParser
+from torchvision.transforms.v2 import InterpolationMode
+from torchvision.transforms.v2 import functional as TF
+
+from wapstable.sample import Sample
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = (
+    1  # bump whenever the grammar, the renderer or the cache layout changes what a config produces
+)
+SPLITS = ("train", "valid", "test")
+MARGIN = 4  # px of background kept around the ink
+FONTS = ("cm", "stix", "stixsans", "dejavuserif", "dejavusans")
+
+# -----------------------------------------------------------------------------
+# grammar
+
+DIGITS = list("0123456789")
+LETTERS = list("abcdefghijkmnpqrstuvwxyz") + list(
+    "ABCFGHLMNPRSTVXY"
+)  # no l/o/O: they read as 1/0 even in print
+GREEK = ["\\alpha", "\\beta", "\\gamma", "\\delta", "\\theta", "\\lambda", "\\mu", "\\pi", "\\sigma", "\\phi"]
+OPERATORS = ["+", "-", "\\times", "\\div", "\\pm"]
+OP_WEIGHTS = [0.4, 0.3, 0.12, 0.08, 0.1]
+RELATIONS = ["=", "<", ">", "\\leq", "\\geq", "\\neq"]
+REL_WEIGHTS = [0.6, 0.08, 0.08, 0.08, 0.08, 0.08]
+BRACKETS = [("(", ")"), ("[", "]"), ("\\{", "\\}")]
+BRACKET_WEIGHTS = [0.7, 0.2, 0.1]
+STRUCTURES = ["frac", "script", "sqrt", "bracket", "bigop"]
+
+# per difficulty: nesting depth, how many structures one expression may hold in all (this bounds the length),
+# terms per top-level side and inside a structure, the chance a term is a structure (and which one: frac,
+# script, sqrt, bracket, big operator), the chance of a relation. Level 2 keeps labels short (mostly under 25
+# tokens) but makes fractions, scripts and roots common, so a small model sees every 2-D layout early.
+LEVELS = {
+    1: dict(depth=0, structs=0, terms=(1, 4), inner=(1, 1), p_struct=0.0, p_rel=0.35, kinds=[1, 1, 1, 1, 1]),
+    2: dict(
+        depth=1,
+        structs=3,
+        terms=(1, 2),
+        inner=(1, 2),
+        p_struct=0.65,
+        p_rel=0.3,
+        kinds=[0.3, 0.3, 0.25, 0.08, 0.07],
+    ),
+    3: dict(
+        depth=2,
+        structs=4,
+        terms=(1, 3),
+        inner=(1, 2),
+        p_struct=0.6,
+        p_rel=0.4,
+        kinds=[0.28, 0.28, 0.2, 0.12, 0.12],
+    ),
+    4: dict(
+        depth=3,
+        structs=7,
+        terms=(2, 4),
+        inner=(1, 2),
+        p_struct=0.6,
+        p_rel=0.5,
+        kinds=[0.26, 0.26, 0.2, 0.14, 0.14],
+    ),
+}
+
+
+class _Grammar:
+    """A recursive generator of token lists; `depth` counts how many more structures may nest inside."""
+
+    def __init__(self, rng: np.random.Generator, difficulty: int):
+        if difficulty not in LEVELS:
+            raise ValueError(f"difficulty must be one of {sorted(LEVELS)}, got {difficulty!r}")
+        self.rng = rng
+        self.level = LEVELS[difficulty]
+        kinds = np.asarray(self.level["kinds"], dtype=float)
+        self.kind_p = kinds / kinds.sum()
+
+    def pick(self, items, p=None):
+        return items[self.rng.choice(len(items), p=p)]
+
+    def expression(self) -> list[str]:
+        self.structs = self.level["structs"]
+        depth = self.level["depth"]
+        out = self.side(depth, self.level["terms"])
+        if self.rng.random() < self.level["p_rel"]:
+            out += [self.pick(RELATIONS, REL_WEIGHTS), *self.side(depth, self.level["terms"])]
+        return out
+
+    def side(self, depth: int, terms: tuple[int, int]) -> list[str]:
+        n = int(self.rng.integers(terms[0], terms[1] + 1))
+        out = ["-"] if self.rng.random() < 0.1 else []
+        for i in range(n):
+            if i:
+                out.append(self.pick(OPERATORS, OP_WEIGHTS))
+            out += self.term(depth)
+        return out
+
+    def term(self, depth: int) -> list[str]:
+        if depth <= 0 or self.structs <= 0 or self.rng.random() >= self.level["p_struct"]:
+            return self.atoms()
+        self.structs -= 1
+        kind = self.pick(STRUCTURES, self.kind_p)
+        inner = self.level["inner"]
+        if kind == "frac":
+            return ["\\frac", "{", *self.side(depth - 1, inner), "}", "{", *self.side(depth - 1, inner), "}"]
+        if kind == "sqrt":
+            return ["\\sqrt", "{", *self.side(depth - 1, inner), "}"]
+        if kind == "script":
+            return self.scripted(depth)
+        if kind == "bracket":
+            return self.bracket(depth)
+        return self.bigop(depth)
+
+    def atoms(self) -> list[str]:
+        r = self.rng.random()
+        if r < 0.3:
+            return self.number()
+        if r < 0.65:
+            return [self.pick(LETTERS)]
+        if r < 0.8:
+            return [self.pick(GREEK)]
+        return [self.pick(DIGITS[2:]), self.pick(LETTERS)]  # implicit product, "2 x"
+
+    def number(self) -> list[str]:
+        r = self.rng.random()
+        n = 1 if r < 0.7 else 2 if r < 0.95 else 3
+        first = self.pick(DIGITS[1:]) if n > 1 else self.pick(DIGITS)
+        return [first, *(self.pick(DIGITS) for _ in range(n - 1))]
+
+    def script_body(self, depth: int) -> list[str]:
+        # scripts are small in real data: an index, an exponent, `i + 1`; deeper levels may nest structures
+        if depth > 1 and self.rng.random() < 0.3:
+            return self.side(depth - 1, (1, 2))
+        if self.rng.random() < 0.2:
+            return [self.pick(LETTERS[:26]), self.pick(["+", "-"]), self.pick(DIGITS[1:])]
+        r = self.rng.random()
+        if r < 0.55:
+            return [self.pick(DIGITS)]
+        return [self.pick(LETTERS[:26])] if r < 0.9 else [self.pick(GREEK)]
+
+    def scripted(self, depth: int) -> list[str]:
+        # mathtext rejects a double script, so the base is always a fresh atom or a closed bracket
+        if depth > 1 and self.rng.random() < 0.2:
+            base = self.bracket(depth - 1, scripts=False)
+        else:
+            base = [self.pick(LETTERS)] if self.rng.random() < 0.8 else [self.pick(GREEK)]
+        r = self.rng.random()
+        out = list(base)
+        if r < 0.6:
+            out += ["^", "{", *self.script_body(depth), "}"]
+        elif r < 0.85:
+            out += ["_", "{", *self.script_body(depth), "}"]
+        else:
+            out += ["_", "{", *self.script_body(depth), "}", "^", "{", *self.script_body(depth), "}"]
+        return out
+
+    def bracket(self, depth: int, scripts: bool = True) -> list[str]:
+        left, right = self.pick(BRACKETS, BRACKET_WEIGHTS)
+        out = [left, *self.side(depth - 1, (2, max(2, self.level["inner"][1]))), right]
+        if scripts and left == "(" and self.rng.random() < 0.3:
+            out += ["^", "{", self.pick(DIGITS[2:]), "}"]
+        return out
+
+    def bigop(self, depth: int) -> list[str]:
+        if self.rng.random() < 0.5:
+            var = self.pick(["i", "j", "k", "n"])
+            upper = self.pick(["n", "N", "m", "\\infty", "9"], [0.5, 0.15, 0.15, 0.15, 0.05])
+            lower = self.pick(["0", "1"])
+            return ["\\sum", "_", "{", var, "=", lower, "}", "^", "{", upper, "}", *self.term(depth - 1)]
+        var = self.pick(["x", "t", "u", "y"])
+        out = ["\\int"]
+        if self.rng.random() < 0.7:
+            lower, upper = self.pick([("0", "1"), ("a", "b"), ("0", "\\infty"), ("1", "2"), ("0", "\\pi")])
+            out += ["_", "{", lower, "}", "^", "{", upper, "}"]
+        return [*out, *self.side(depth - 1, (1, 1)), "d", var]
+
+
+def _unique_expressions(
+    n: int, rng: np.random.Generator, difficulty: int, exclude: frozenset[str] = frozenset()
+) -> list[list[str]]:
+    grammar = _Grammar(rng, difficulty)
+    seen, out = set(exclude), []
+    for _ in range(100 * n + 1000):
+        if len(out) == n:
+            return out
+        tokens = grammar.expression()
+        key = " ".join(tokens)
+        if key not in seen:
+            seen.add(key)
+            out.append(tokens)
+    if len(out) == n:
+        return out
+    raise RuntimeError(f"difficulty {difficulty} yields too few distinct expressions for {n} samples")
+
+
+def _entropy(seed: int, *parts: int) -> list[int]:
+    # SeedSequence takes only non-negative ints; the modulo keeps negative seeds distinct from positive ones
+    return [int(seed) % 2**64, *parts]
+
+
+def generate_expressions(n: int, seed: int, difficulty: int) -> list[list[str]]:
+    """`n` distinct random expressions as CROHME-style token lists, the same for the same seed."""
+    return _unique_expressions(n, np.random.default_rng(_entropy(seed, 0)), difficulty)
+
+
+def tokens_to_mathtext(tokens: list[str]) -> str:
+    """The mathtext source ("$...$") that renders `tokens`."""
+    # Mathtext does not ignore blanks: `x ^ {2}` sets the 2 full size. So tokens are glued, with a blank only
+    # where a command word would otherwise swallow the next letter (`\pi x`, not `\pix`).
+    parts = []
+    for prev, tok in zip([""] + tokens[:-1], tokens):
+        if prev[:1] == "\\" and prev[1:].isalpha() and tok[:1].isalpha():
+            parts.append(" ")
+        parts.append(tok)
+    return "$" + "".join(parts) + "$"
+
+
+# -----------------------------------------------------------------------------
+# rendering
+
+_parser: MathTextParser | None = None
+
+
+@lru_cache(maxsize=64)
+def _font_properties(font: str, font_size: int) -> FontProperties:
+    return FontProperties(size=font_size, math_fontfamily=font)
+
+
+def _crop(img: np.ndarray, margin: int = MARGIN) -> np.ndarray:
+    rows, cols = np.flatnonzero(img.any(1)), np.flatnonzero(img.any(0))
+    if rows.size:
+        img = img[rows[0] : rows[-1] + 1, cols[0] : cols[-1] + 1]
+    return np.pad(img, margin)
+
+
+def _augment(img: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    # Every parameter comes from `rng` rather than torch's global generator, so an image depends only on its
+    # own seed: no fork_rng, no state leaking between samples or workers.
+    h, w = img.shape
+    pad = 8 + int(0.12 * max(h, w))  # room for the ends of a wide line to rotate and shear into
+    x = torch.from_numpy(np.pad(img, pad).astype(np.float32))[None]
+    x = TF.affine(
+        x,
+        angle=float(rng.uniform(-3.0, 3.0)),
+        translate=[0.0, 0.0],
+        scale=float(rng.uniform(0.9, 1.1)),
+        shear=[float(rng.uniform(-12.0, 12.0)), float(rng.uniform(-3.0, 3.0))],
+        interpolation=InterpolationMode.BILINEAR,
+    )
+    if rng.random() < 0.7:
+        # torchvision's ElasticTransform recipe: uniform noise blurred into a smooth field, in grid units
+        hh, ww = x.shape[-2:]
+        alpha, sigma = float(rng.uniform(20.0, 50.0)), float(rng.uniform(3.0, 5.0))
+        k = int(8 * sigma + 1) | 1
+        noise = torch.from_numpy(rng.random((2, 1, hh, ww), dtype=np.float32) * 2 - 1)
+        d = TF.gaussian_blur(noise, [k, k], [sigma, sigma])
+        displacement = torch.stack([d[0, 0] * (alpha / ww), d[1, 0] * (alpha / hh)], dim=-1)[None]
+        x = TF.elastic(x, displacement, interpolation=InterpolationMode.BILINEAR)
+    if rng.random() < 0.3:
+        s = float(rng.uniform(0.3, 0.8))
+        x = TF.gaussian_blur(x, [3, 3], [s, s])
+    out = x[0].round_().clamp_(0, 255).to(torch.uint8).numpy()
+    out[out < 8] = 0  # faint interpolation dust would otherwise widen the crop
+    return out
+
+
+def render(
+    tokens: list[str], font: str, font_size: int, rng: np.random.Generator | None, augment: bool
+) -> np.ndarray:
+    """A (H, W) uint8 image of `tokens`, ink 255 on 0, cropped to the ink plus a small margin.
+
+    `font` is a mathtext font set (cm, stix, stixsans, dejavuserif, dejavusans). With `augment`, the image is
+    randomly bent by `rng` (None = a fresh unseeded generator, for previews).
+    """
+    global _parser
+    if _parser is None:
+        _parser = MathTextParser("agg")
+    parsed = _parser.parse(tokens_to_mathtext(tokens), dpi=72, prop=_font_properties(font, font_size))
+    img = np.asarray(parsed.image, dtype=np.uint8)
+    if augment:
+        img = _augment(_crop(img, 0), rng if rng is not None else np.random.default_rng())
+    return _crop(img)
+
+
+# -----------------------------------------------------------------------------
+# splits and cache
+
+
+def _render_chunk(job: tuple) -> list[np.ndarray]:
+    split_code, start, labels, fonts, font_size, augment, seed = job
+    out = []
+    for i, tokens in enumerate(labels, start):
+        rng = np.random.default_rng(_entropy(seed, 1, split_code, i))
+        font = fonts[int(rng.integers(len(fonts)))]
+        out.append(render(tokens, font, font_size, rng, augment))
+    return out
+
+
+def _worker_init() -> None:
+    # one intra-op thread: the tensors are tiny, and libgomp is not safe to use with many threads after a fork
+    torch.set_num_threads(1)
+
+
+@contextmanager
+def _single_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def _render_all(labels: dict[str, list[list[str]]], cfg, params: dict) -> dict[str, list[np.ndarray]]:
+    total = sum(len(v) for v in labels.values())
+    workers = int(cfg.render_workers or 0)
+    chunk = max(1, min(256, math.ceil(total / max(1, 4 * workers))))
+    jobs, owners = [], []
+    for code, split in enumerate(SPLITS):
+        for start in range(0, len(labels[split]), chunk):
+            batch = labels[split][start : start + chunk]
+            jobs.append(
+                (code, start, batch, params["fonts"], params["font_size"], params["augment"], cfg.seed)
+            )
+            owners.append(split)
+    t0 = time.perf_counter()
+    if workers <= 1 or len(jobs) <= 1:
+        with _single_thread():
+            results = [_render_chunk(job) for job in jobs]
+    else:
+        method = "fork" if "fork" in mp.get_all_start_methods() else None
+        with mp.get_context(method).Pool(min(workers, len(jobs)), initializer=_worker_init) as pool:
+            results = pool.map(_render_chunk, jobs, chunksize=1)
+    dt = time.perf_counter() - t0
+    log.info("rendered %d images in %.1f s (%.0f images/s)", total, dt, total / max(dt, 1e-9))
+    images = {split: [] for split in SPLITS}
+    for split, imgs in zip(owners, results):
+        images[split] += imgs
+    return images
+
+
+def _cache_params(cfg) -> dict:
+    fonts = [str(f) for f in cfg.fonts]
+    if not fonts:
+        raise ValueError("data.fonts must name at least one mathtext font")
+    return dict(
+        format=FORMAT_VERSION,
+        num_train=int(cfg.num_train),
+        num_valid=int(cfg.num_valid),
+        num_test=int(cfg.num_test),
+        difficulty=int(cfg.difficulty),
+        fonts=fonts,
+        font_size=int(cfg.font_size),
+        augment=bool(cfg.augment),
+        seed=int(cfg.seed),
+        # a new renderer may draw other pixels for the same config
+        matplotlib=matplotlib.__version__,
+        torchvision=torchvision.__version__,
+    )
+
+
+def _save(path: Path, splits: dict[str, list[Sample]], params: dict) -> None:
+    arrays = {"params": np.array(json.dumps(params, sort_keys=True))}
+    for split, samples in splits.items():
+        imgs = [s.image for s in samples]
+        arrays[f"{split}_shapes"] = np.array([im.shape for im in imgs], dtype=np.int64).reshape(-1, 2)
+        arrays[f"{split}_pixels"] = (
+            np.concatenate([im.ravel() for im in imgs]) if imgs else np.zeros(0, np.uint8)
+        )
+        arrays[f"{split}_tokens"] = np.array([" ".join(s.tokens) for s in samples], dtype=str)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez_compressed(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _load(path: Path, params: dict) -> dict[str, list[Sample]]:
+    splits = {}
+    with np.load(path, allow_pickle=False) as z:
+        if json.loads(str(z["params"])) != params:
+            raise ValueError("the cached parameters differ from the config")
+        for split in SPLITS:
+            shapes, pixels, labels = z[f"{split}_shapes"], z[f"{split}_pixels"], z[f"{split}_tokens"]
+            if len(shapes) != params[f"num_{split}"] or len(labels) != len(shapes):
+                raise ValueError(f"{split} holds {len(shapes)} samples, expected {params[f'num_{split}']}")
+            ends = np.cumsum(shapes[:, 0] * shapes[:, 1])
+            if len(ends) and ends[-1] != pixels.size:
+                raise ValueError(f"{split} pixel count does not match the image shapes")
+            starts = ends - shapes[:, 0] * shapes[:, 1]
+            splits[split] = [
+                Sample(f"{split}-{i:06d}", pixels[a:b].reshape(h, w), str(label).split(" "))
+                for i, (a, b, (h, w), label) in enumerate(zip(starts, ends, shapes, labels))
+            ]
+    return splits
+
+
+def build_splits(cfg) -> dict[str, list[Sample]]:
+    """Render (or load from the cache) the synthetic train/valid/test splits described by `cfg`.
+
+    No expression appears in two splits. Test is drawn first, then valid, then train, each from its own stream,
+    so growing num_train leaves valid and test unchanged.
+    """
+    params = _cache_params(cfg)
+    key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(cfg.cache_dir).expanduser() / "synthetic" / key / "splits.npz"
+    if path.exists():
+        try:
+            splits = _load(path, params)
+            log.info("loaded synthetic splits from %s", path)
+            return splits
+        except Exception as e:  # a torn or foreign file is only a lost cache, never a failed run
+            log.warning(
+                "synthetic cache %s is unreadable (%s: %s); rendering it again", path, type(e).__name__, e
+            )
+
+    labels, taken = {}, frozenset()
+    for code, split in reversed(list(enumerate(SPLITS))):
+        rng = np.random.default_rng(_entropy(params["seed"], 0, code))
+        labels[split] = _unique_expressions(params[f"num_{split}"], rng, params["difficulty"], taken)
+        taken = taken | {" ".join(t) for t in labels[split]}
+    images = _render_all(labels, cfg, params)
+    splits = {
+        split: [
+            Sample(f"{split}-{i:06d}", im, t) for i, (im, t) in enumerate(zip(images[split], labels[split]))
+        ]
+        for split in SPLITS
+    }
+    _save(path, splits, params)
+    return splits

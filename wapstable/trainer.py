@@ -1,0 +1,584 @@
+"""The training loop: `train(cfg)` builds everything from the config, trains, evaluates, returns the metrics.
+
+One step: forward (autocast), backward, grad norm, the guard's decision (one host sync), clip, optimizer and
+scheduler step, or a skip that leaves weights, optimizer state, schedule and grad-norm history untouched.
+"""
+
+import contextlib
+import json
+import logging
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from . import distributed
+from .checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .config import Config
+from .data import BatchStream, check_labels, filter_samples, load_splits, load_vocab, make_batches
+from .decoding import greedy_decode
+from .errors import TrainingStopped, UserError
+from .metrics import ExpressionMetrics
+from .model import build_model
+from .optim import build_optimizer, build_scheduler
+from .stability.clipping import (
+    AutoClipHistory,
+    clip_gradients_,
+    clip_options,
+    mode_norm_type,
+    validate_clip_config,
+)
+from .stability.faults import Fault
+from .stability.guard import SkipBudget, SpikeDetector, count_nonfinite_grads, nonfinite_flag
+from .vocab import Vocab
+
+log = logging.getLogger("wapstable")
+
+
+def sequence_loss(logits: torch.Tensor, targets: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
+    """WAP's cost: negative log-likelihood summed over the tokens of each label, averaged over the batch."""
+    nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")  # (B*T,)
+    return (nll.view_as(target_mask) * target_mask).sum() / targets.shape[0]
+
+
+def forward_loss(model, batch, fault: Fault | None = None, step: int = -1, precision: str = "32"):
+    """The training loss of one batch, with the configured fault applied (used by training and by replay)."""
+    images = fault.batch(batch.images, step) if fault else batch.images
+    with autocast(images.device, precision):
+        logits = model(images, batch.image_mask, batch.targets, batch.target_mask)
+    loss = sequence_loss(logits, batch.targets, batch.target_mask)
+    return fault.loss(loss, step) if fault else loss
+
+
+def autocast(device: torch.device, precision: str):
+    if precision == "32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("trainer.device=cuda but no CUDA device is available; use trainer.device=cpu or auto")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise UserError(f"trainer.device={name!r} is unknown; use auto, cpu or cuda")
+    return torch.device(name)
+
+
+def effective_config(cfg: DictConfig, saved: dict, overrides: list[str]) -> DictConfig:
+    """The checkpoint's config with this command line's overrides on top (they win), as a resumed run uses."""
+    saved = {k: v for k, v in saved.items() if k not in ("run_dir", "resume")}
+    merged = OmegaConf.merge(OmegaConf.structured(Config), saved)
+    for override in overrides:
+        key = override.lstrip("+~").split("=", 1)[0]
+        if key.startswith("hydra") or key in ("resume", "run_dir"):
+            continue
+        OmegaConf.update(merged, key, OmegaConf.select(cfg, key), merge=False)
+    merged.resume, merged.run_dir = cfg.resume, cfg.run_dir
+    return merged
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Fail fast, before any file is written, on values the schema's types cannot catch."""
+    t = cfg.trainer
+    for key in ("max_steps", "eval_every", "checkpoint_every", "log_every"):
+        if t[key] <= 0:
+            raise UserError(f"trainer.{key}={t[key]} must be a positive number of steps")
+    if t.precision not in ("32", "bf16", "fp16"):
+        raise UserError(f"trainer.precision={t.precision!r} is unknown; use 32, bf16 or fp16")
+    validate_clip_config(cfg.clip)
+    g = cfg.guard
+    if g.max_consecutive_skips < 0 or g.max_total_skips < 0:
+        raise UserError("guard.max_consecutive_skips and guard.max_total_skips must be >= 0")
+    if g.on_budget_exhausted not in ("stop", "rollback"):
+        raise UserError(f"guard.on_budget_exhausted={g.on_budget_exhausted!r} is unknown; use stop or rollback")
+    d = cfg.data
+    if d.pixel_budget <= 0 or d.max_batch <= 0:
+        raise UserError("data.pixel_budget and data.max_batch must be positive")
+    if cfg.decode.max_len <= 0 or cfg.decode.beam_size <= 0:
+        raise UserError("decode.max_len and decode.beam_size must be positive")
+
+
+def resolve_resume(cfg: DictConfig, run_dir: Path) -> Path | None:
+    if not cfg.resume:
+        return None
+    if cfg.resume == "auto":
+        last = run_dir / "checkpoints" / "last.pt"
+        return last if last.is_file() else None
+    return Path(cfg.resume).expanduser()
+
+
+def check_model_compatible(model: torch.nn.Module, state: dict, path: Path) -> None:
+    """Refuse a checkpoint whose parameters do not fit this model, naming the first mismatch."""
+    own = model.state_dict()
+    missing = sorted(set(own) ^ set(state))
+    if missing:
+        raise UserError(
+            f"checkpoint {path} holds another model (parameter {missing[0]} is in one but not the other); "
+            "resume with the model config it was trained with"
+        )
+    for k, v in own.items():
+        if tuple(v.shape) != tuple(state[k].shape):
+            raise UserError(
+                f"checkpoint {path} holds a model of another size ({k}: {tuple(state[k].shape)} there, "
+                f"{tuple(v.shape)} here); resume with the model config it was trained with"
+            )
+
+
+class Trainer:
+    def __init__(self, cfg: DictConfig, overrides: list[str] | None = None):
+        self.run_dir = Path(cfg.run_dir)
+        resume_path = resolve_resume(cfg, self.run_dir)
+        self.resume_state = None
+        if resume_path is not None:
+            self.resume_state = load_checkpoint(resume_path)
+            if "config" not in self.resume_state or "model" not in self.resume_state:
+                raise UserError(f"{resume_path} is a checkpoint without a training state; it cannot be resumed")
+            if overrides is not None:
+                cfg = effective_config(cfg, self.resume_state["config"], overrides)
+            log.info("resuming from %s (step %d)", resume_path, self.resume_state["step"])
+        self.resume_path = resume_path
+        validate_config(cfg)
+        self.cfg = cfg
+        self.dist = distributed.setup(cfg.trainer.ddp, cfg.trainer.device)
+        self.device = self.dist.device if cfg.trainer.ddp else resolve_device(cfg.trainer.device)
+        if cfg.trainer.threads > 0:
+            torch.set_num_threads(cfg.trainer.threads)
+        torch.manual_seed(cfg.seed)
+
+        self.splits = load_splits(cfg.data)
+        if self.resume_state is not None:
+            self.vocab = Vocab(list(self.resume_state["vocab"]))
+        else:
+            self.vocab = load_vocab(cfg.data, self.splits)
+        d = cfg.data
+        for split in self.splits:
+            samples = check_labels(self.splits[split], self.vocab, d.on_error)
+            if split == "train":
+                samples = filter_samples(samples, d.max_image_pixels, d.max_tokens)
+            if not samples:
+                raise UserError(f"no {split} sample is left after filtering; raise data.max_image_pixels or data.max_tokens")
+            self.splits[split] = samples
+        log.info(
+            "data: %s, %d train / %d valid / %d test samples, vocabulary of %d tokens",
+            d.name,
+            *(len(self.splits[s]) for s in ("train", "valid", "test")),
+            len(self.vocab),
+        )
+
+        self.model = build_model(cfg.model, len(self.vocab)).to(self.device)
+        if self.resume_state is not None:
+            check_model_compatible(self.model, self.resume_state["model"], resume_path)
+        self.ddp_model = self.dist.wrap(self.model)
+        self.optimizer = build_optimizer(cfg.optim, self.model.parameters())
+        self.scheduler = build_scheduler(cfg.optim, self.optimizer, cfg.trainer.max_steps)
+        self.stream = BatchStream(
+            self.splits["train"],
+            self.vocab,
+            d.pixel_budget,
+            d.max_batch,
+            cfg.seed,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+            num_workers=d.num_workers,
+        )
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.trainer.precision == "fp16")
+        self.history = AutoClipHistory(cfg.clip.history)
+        output_params = set(self.model.output_layer_names())
+        self.clip_skip = [p for n, p in self.model.named_parameters() if n in output_params]
+        self.norm_type = mode_norm_type(cfg.clip.mode, cfg.clip.norm_type)
+        self.budget = SkipBudget(cfg.guard.max_consecutive_skips, cfg.guard.max_total_skips)
+        self.spikes = SpikeDetector(cfg.guard.spike_window, cfg.guard.spike_zscore, cfg.guard.spike_warmup)
+        self.fault = Fault(cfg.fault, self.dist.rank)
+        self.step = 0
+        self.best = {"exprate": -1.0, "step": -1}
+        self.counters = {"clipped": 0, "accepted": 0, "scaler_skips": 0, "anomaly_checkpoints": 0}
+        self.evals: list[dict] = []
+        self.anomalies: list[dict] = []
+        self.localization: dict | None = None
+        self.elapsed_before = 0.0
+        if self.resume_state is not None:
+            self.load_state(self.resume_state)
+        self.writer = None
+
+    # ---- state ----
+    def state(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "step": self.step,
+            "stream": self.stream.state_dict(),
+            "rng": rng_state(),
+            "vocab": list(self.vocab.tokens),
+            "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "guard": {
+                "budget": self.budget.state_dict(),
+                "spikes": self.spikes.state_dict(),
+                "history": self.history.state_dict(),
+            },
+            "best": dict(self.best),
+            "counters": dict(self.counters),
+            "evals": list(self.evals),
+            "anomalies": list(self.anomalies),
+            "elapsed": self.elapsed(),
+        }
+
+    def load_state(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.step = int(state["step"])
+        self.stream.load_state_dict(state["stream"])
+        self.budget.load_state_dict(state["guard"]["budget"])
+        self.spikes.load_state_dict(state["guard"]["spikes"])
+        self.history.load_state_dict(state["guard"]["history"])
+        self.best = dict(state["best"])
+        self.counters.update(state["counters"])
+        self.evals = list(state["evals"])
+        self.anomalies = list(state["anomalies"])
+        self.elapsed_before = float(state.get("elapsed", 0.0))
+        set_rng_state(state["rng"])
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + (time.time() - self.start_time if hasattr(self, "start_time") else 0.0)
+
+    def save(self, name: str) -> Path | None:
+        if not self.dist.is_main:
+            return None
+        return save_checkpoint(self.state(), self.run_dir / "checkpoints" / f"{name}.pt")
+
+    # ---- one step ----
+    def train_step(self, batch) -> dict:
+        """Forward, backward, guard, clip, step; returns the step's figures as Python numbers."""
+        cfg, step = self.cfg, self.step
+        self.fault.set_model(self.model, step)
+        self.model.train()
+        loss = forward_loss(self.ddp_model, batch, self.fault, step, cfg.trainer.precision)
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.optimizer)
+        params = list(self.model.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        total_norm = torch.nn.utils.get_total_norm(grads, norm_type=self.norm_type)
+        bad = self.dist.any(nonfinite_flag(loss, total_norm))  # all ranks take the same decision
+        loss_value, norm_value, bad_value = torch.stack([loss.detach().float(), total_norm.float(), bad.float()]).tolist()
+        out = {"loss": loss_value, "grad_norm": norm_value, "skipped": False, "clipped": False, "reason": None}
+
+        reason = None
+        if bad_value and cfg.guard.skip_nonfinite:
+            what = "loss" if not math.isfinite(loss_value) else "gradients"
+            n_bad, _ = count_nonfinite_grads(self.model.named_parameters())
+            reason = f"non-finite {what} ({n_bad} gradient tensors non-finite)"
+            if what == "gradients" and self.scaler.is_enabled() and self.scaler.get_scale() >= 1.0:
+                out["scaler_skip"] = True  # fp16 overflow: the GradScaler lowers its scale and tries again
+        elif cfg.guard.skip_spikes and not bad_value:
+            reason = self.spikes.check(loss_value, norm_value)
+            out["spike"] = reason is not None
+        if reason is not None:
+            out.update(skipped=True, reason=reason)
+            self.scaler.update()
+            return out
+
+        lr_mult = self.fault.lr_multiplier(step)
+        if lr_mult != 1.0:
+            for group in self.optimizer.param_groups:
+                group["lr"] *= lr_mult
+        opts = clip_options(cfg.clip, self.history, skip=self.clip_skip)
+        _, clipped = clip_gradients_(params, cfg.clip.mode, total_norm=total_norm, **opts)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()  # resets the lr from the schedule, which also undoes an lr_spike
+        if cfg.guard.skip_spikes:
+            self.spikes.update(loss_value, norm_value)
+        out["clipped"] = bool(clipped) if cfg.clip.mode != "none" else False
+        return out
+
+    def handle_skip(self, batch, out: dict, rng_before: dict) -> None:
+        """A skipped step: warn, count, write the anomaly checkpoint, localise the first one, check the budget."""
+        cfg = self.cfg
+        scaler_skip = out.get("scaler_skip", False)
+        if scaler_skip:
+            self.counters["scaler_skips"] += 1
+            log.info("step %d: fp16 overflow, GradScaler lowers its scale to %g", self.step, self.scaler.get_scale())
+        else:
+            self.budget.record(True, spike=out.get("spike", False))
+            log.warning("step %d skipped: %s", self.step, out["reason"])
+            if cfg.guard.checkpoint_on_anomaly and self.counters["anomaly_checkpoints"] < cfg.guard.max_anomaly_checkpoints:
+                path = self.write_anomaly(batch, out, rng_before)
+                if path is not None and self.localization is None and cfg.guard.localize:
+                    self.localize(path)
+        self.model.zero_grad(set_to_none=True)
+        if not scaler_skip and self.budget.exhausted():
+            reason = self.budget.exhausted()
+            if self.counters["anomaly_checkpoints"] == 0 or not cfg.guard.checkpoint_on_anomaly:
+                self.write_anomaly(batch, out, rng_before, force=True)
+            self.save("last")
+            self.finish_logs()
+            raise TrainingStopped(
+                f"{reason} at step {self.step}; anomaly checkpoints are in {self.run_dir / 'anomalies'}, "
+                f"replay one with `python scripts/replay_anomaly.py PATH`"
+            )
+
+    def write_anomaly(self, batch, out: dict, rng_before: dict, force: bool = False) -> Path | None:
+        """anomalies/step-N.pt: the state before the step, its RNG, the offending batch and per-layer figures."""
+        per_layer_norm, per_layer_bad = {}, {}
+        for name, p in self.model.named_parameters():
+            if p.grad is not None:
+                g = p.grad.detach().float()
+                per_layer_norm[name] = float(g.norm())
+                bad = int((~torch.isfinite(g)).sum())
+                if bad:
+                    per_layer_bad[name] = bad
+        record = {"step": self.step, "reason": out["reason"], "loss": out["loss"], "grad_norm": out["grad_norm"]}
+        if self.dist.world_size > 1:
+            record["ranks"] = self.dist.ranks_with(bool(per_layer_bad) or not math.isfinite(out["loss"]))
+        self.anomalies.append(record)
+        if not self.dist.is_main:
+            return None
+        state = self.state()
+        # Before the step: the stream had not yet handed out this batch, and the RNG was as saved before forward.
+        state["stream"] = {"epoch": self.stream.epoch, "index": self.stream.index - 1}
+        state["rng"] = rng_before
+        state["anomaly"] = {
+            **record,
+            "batch": {
+                "images": batch.images.cpu(),
+                "image_mask": batch.image_mask.cpu(),
+                "targets": batch.targets.cpu(),
+                "target_mask": batch.target_mask.cpu(),
+                "ids": list(batch.ids),
+            },
+            "grad_norms": per_layer_norm,
+            "nonfinite_counts": per_layer_bad,
+        }
+        path = save_checkpoint(state, self.run_dir / "anomalies" / f"step-{self.step}.pt")
+        self.counters["anomaly_checkpoints"] += 1
+        log.warning("step %d: anomaly checkpoint written to %s", self.step, path)
+        return path
+
+    def localize(self, path: Path) -> None:
+        from .stability.replay import replay, summarize
+
+        try:
+            report = replay(load_checkpoint(path), self.device)
+        except Exception as e:  # a failed diagnosis must not end the run it diagnoses
+            log.warning("localisation of %s failed: %s", path, e)
+            return
+        self.localization = {"checkpoint": str(path), **report}
+        log.warning("localisation: %s", summarize(report))
+
+    # ---- evaluation ----
+    @torch.no_grad()
+    def evaluate(self, split: str, beam_size: int | None = None) -> dict:
+        from .decoding import beam_search
+
+        self.model.eval()
+        samples = self.splits[split]
+        metrics = ExpressionMetrics()
+        total_loss, n = 0.0, 0
+        beam = beam_size or self.cfg.decode.beam_size
+        from .data import collate
+
+        for idx in make_batches(samples, self.cfg.data.pixel_budget, self.cfg.data.max_batch):
+            batch = collate([samples[i] for i in idx], self.vocab).to(self.device)
+            with autocast(self.device, self.cfg.trainer.precision):
+                logits = self.model(batch.images, batch.image_mask, batch.targets, batch.target_mask)
+            total_loss += float(sequence_loss(logits, batch.targets, batch.target_mask)) * len(idx)
+            n += len(idx)
+            if beam > 1:
+                hyps = beam_search(self.model, batch.images, batch.image_mask, beam, self.cfg.decode.max_len)
+            else:
+                hyps = greedy_decode(self.model, batch.images, batch.image_mask, self.cfg.decode.max_len)
+            metrics.update([self.vocab.decode(h) for h in hyps], [samples[i].tokens for i in idx])
+        result = metrics.compute()
+        result["loss"] = total_loss / max(1, n)
+        return result
+
+    # ---- logging ----
+    def open_writer(self):
+        if self.dist.is_main and self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.run_dir / "tb"))
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        if self.writer is not None and value is not None and math.isfinite(value):
+            self.writer.add_scalar(tag, value, step)
+
+    def finish_logs(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    # ---- the loop ----
+    def fit(self) -> dict:
+        cfg, t = self.cfg, self.cfg.trainer
+        self.start_time = time.time()
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.vocab.save(self.run_dir / "vocab.txt")
+        self.open_writer()
+        log.info(
+            "model %s: %.2fM parameters; optimizer %s lr %g; clip %s; device %s; precision %s",
+            cfg.model.name,
+            sum(p.numel() for p in self.model.parameters()) / 1e6,
+            cfg.optim.name,
+            cfg.optim.lr,
+            cfg.clip.mode,
+            self.device,
+            t.precision,
+        )
+        stop_requested = {"flag": False}
+        previous_handler = None
+        if self.dist.is_main and hasattr(signal, "SIGTERM"):
+            with contextlib.suppress(ValueError):  # not in the main thread: leave signals alone
+                previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop_requested.update(flag=True))
+        progress = None
+        if t.progress and self.dist.is_main:
+            from tqdm import tqdm
+
+            progress = tqdm(total=t.max_steps, initial=self.step, desc="train", dynamic_ncols=True)
+        anomaly_ctx = torch.autograd.detect_anomaly() if cfg.guard.detect_anomaly else contextlib.nullcontext()
+        step_times = []
+        try:
+            with anomaly_ctx:
+                while self.step < t.max_steps:
+                    t0 = time.perf_counter()
+                    batch = self.stream.next().to(self.device)
+                    rng_before = rng_state() if cfg.guard.checkpoint_on_anomaly else None
+                    out = self.train_step(batch)
+                    if out["skipped"]:
+                        self.handle_skip(batch, out, rng_before)
+                    else:
+                        self.budget.record(False)
+                        self.counters["accepted"] += 1
+                        self.counters["clipped"] += out["clipped"]
+                    self.step += 1
+                    step_times.append(time.perf_counter() - t0)
+                    self.log_step(out, progress)
+                    if self.dist.should_check(self.step, t.consistency_every):
+                        self.dist.check_consistency(self.model, self.step)
+                    if self.step % t.eval_every == 0 or self.step == t.max_steps:
+                        self.run_eval(progress)
+                    if self.step % t.checkpoint_every == 0 or self.step == t.max_steps:
+                        self.save("last")
+                    if stop_requested["flag"]:
+                        self.save("last")
+                        log.warning("SIGTERM: checkpoint written at step %d; resume with resume=auto", self.step)
+                        break
+        finally:
+            if progress is not None:
+                progress.close()
+            if previous_handler is not None:
+                signal.signal(signal.SIGTERM, previous_handler)
+        if stop_requested["flag"]:
+            self.finish_logs()
+            return {"stopped_at": self.step, "preempted": True}
+        return self.final_metrics()
+
+    def log_step(self, out: dict, progress) -> None:
+        lr = self.optimizer.param_groups[0]["lr"]
+        if self.dist.is_main:
+            self.scalar("train/loss", out["loss"], self.step)
+            self.scalar("train/grad_norm", out["grad_norm"], self.step)
+            self.scalar("train/lr", lr, self.step)
+            self.scalar("train/clipped", float(out["clipped"]), self.step)
+            self.scalar("train/skipped", float(out["skipped"]), self.step)
+        if progress is not None:
+            progress.update(1)
+            if self.step % self.cfg.trainer.log_every == 0 or out["skipped"]:
+                progress.set_postfix(
+                    loss=f"{out['loss']:.3f}", gnorm=f"{out['grad_norm']:.3g}", skipped=self.budget.total
+                )
+        if self.step % self.cfg.trainer.log_every == 0:
+            log.debug("step %d loss %.4f grad_norm %.4g lr %.3g", self.step, out["loss"], out["grad_norm"], lr)
+
+    def run_eval(self, progress) -> None:
+        result = self.evaluate("valid")
+        record = {"step": self.step, "exprate": result["exprate"], "wer": result["wer"], "loss": result["loss"]}
+        self.evals.append(record)
+        message = (
+            f"step {self.step}: valid ExpRate {result['exprate']:.2f}%  WER {result['wer']:.2f}%  "
+            f"loss {result['loss']:.3f}"
+        )
+        if progress is not None:
+            progress.write(message)
+        log.info(message)
+        for k in ("exprate", "wer", "loss"):
+            self.scalar(f"valid/{k}", result[k], self.step)
+        if result["exprate"] > self.best["exprate"]:
+            self.best = {"exprate": result["exprate"], "step": self.step}
+            self.save("best")
+
+    def final_metrics(self) -> dict:
+        cfg = self.cfg
+        best_path = self.run_dir / "checkpoints" / "best.pt"
+        final_valid = self.evals[-1] if self.evals else {}
+        if best_path.is_file():
+            self.model.load_state_dict(load_checkpoint(best_path)["model"])
+        test = self.evaluate("test", beam_size=cfg.decode.final_beam_size)
+        accepted = max(1, self.counters["accepted"])
+        metrics = {
+            "steps": self.step,
+            "wall_time_s": round(self.elapsed(), 2),
+            "best_valid_exprate": self.best["exprate"],
+            "best_step": self.best["step"],
+            "final_valid_exprate": final_valid.get("exprate"),
+            "final_valid_wer": final_valid.get("wer"),
+            "test_exprate": test["exprate"],
+            "test_wer": test["wer"],
+            "test_within_1": test["within_1"],
+            "skipped_steps": self.budget.total + self.counters["scaler_skips"],
+            "skipped_nonfinite": self.budget.nonfinite,
+            "skipped_spikes": self.budget.spikes,
+            "scaler_skips": self.counters["scaler_skips"],
+            "anomaly_checkpoints": self.counters["anomaly_checkpoints"],
+            "anomalies": self.anomalies,
+            "clip_fraction": self.counters["clipped"] / accepted,
+            "localization": self.localization,
+            "evals": self.evals,
+        }
+        log.info(
+            "done: %d steps in %.0f s; best valid ExpRate %.2f%% (step %d); test ExpRate %.2f%%; %d skipped steps",
+            self.step,
+            metrics["wall_time_s"],
+            metrics["best_valid_exprate"],
+            metrics["best_step"],
+            metrics["test_exprate"],
+            metrics["skipped_steps"],
+        )
+        self.scalar("test/exprate", test["exprate"], self.step)
+        self.finish_logs()
+        if self.dist.is_main:
+            write_json(self.run_dir / "metrics.json", metrics)
+        return metrics
+
+
+def write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
+    """Train as `cfg` says; returns the metrics dict (also written to `metrics.json` in the run directory).
+
+    `overrides` are the command line's overrides: when resuming, they are applied on top of the checkpoint's
+    config (they win); without them the given config is used as it is.
+    """
+    trainer = Trainer(cfg, overrides)
+    try:
+        return trainer.fit()
+    finally:
+        if trainer.writer is not None:
+            trainer.writer.close()
+        trainer.dist.cleanup()
