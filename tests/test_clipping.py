@@ -92,7 +92,9 @@ def test_autoclip_uses_percentile_of_history():
     state = history.state_dict()
     restored = AutoClipHistory(1)
     restored.load_state_dict(state)
-    assert restored.count == 20 and float(restored.percentile(25)) == pytest.approx(np.percentile(norms, 25), rel=1e-5)
+    assert restored.count == 20 and float(restored.percentile(25)) == pytest.approx(
+        np.percentile(norms, 25), rel=1e-5
+    )
 
 
 def test_nonfinite_norm_is_reported():
@@ -105,7 +107,16 @@ def test_nonfinite_norm_is_reported():
 def test_bad_thresholds_rejected(key, value):
     from types import SimpleNamespace
 
-    cfg = SimpleNamespace(mode="norm", max_norm=100.0, norm_type=2.0, value=1.0, factor=0.01, eps=1e-3, percentile=10, history=10)
+    cfg = SimpleNamespace(
+        mode="norm",
+        max_norm=100.0,
+        norm_type=2.0,
+        value=1.0,
+        factor=0.01,
+        eps=1e-3,
+        percentile=10,
+        history=10,
+    )
     setattr(cfg, key, value)
     with pytest.raises(UserError, match=f"clip.{key}"):
         validate_clip_config(cfg)

@@ -4,9 +4,8 @@ import subprocess
 import sys
 
 import pytest
-from omegaconf.errors import ConfigCompositionException
-
 from conftest import ROOT, compose_config
+from omegaconf.errors import ConfigCompositionException
 
 GROUPS = {
     "model": ["small", "wap", "densewap"],
@@ -36,7 +35,12 @@ def test_defaults():
     assert cfg.clip.mode == "norm" and cfg.clip.max_norm == 100.0
     assert cfg.model.attention.stable is True
     assert cfg.guard.skip_nonfinite and cfg.guard.max_consecutive_skips == 5
-    assert cfg.optim.lr == 1.0 and cfg.optim.rho == 0.95 and cfg.optim.eps == 1e-6 and cfg.optim.weight_decay == 1e-4
+    assert (
+        cfg.optim.lr == 1.0
+        and cfg.optim.rho == 0.95
+        and cfg.optim.eps == 1e-6
+        and cfg.optim.weight_decay == 1e-4
+    )
 
 
 def test_paper_sizes():

@@ -40,7 +40,7 @@ def masked_softmax(energy: Tensor, mask: Tensor, stable: bool = True, dim: int =
 
 
 class CoverageAttention(nn.Module):
-    """WAP coverage attention (Zhang et al. 2017, eq. 9-12): e_ti = v^T tanh(W h + U a_i + U_f f_i).
+    """WAP coverage attention (Zhang et al. 2017): e_ti = v^T tanh(W h + U a_i + U_f f_i).
 
     f = Q * (sum of past alphas) is a conv over the coverage map, so the parser knows what it already read.
     """
@@ -62,7 +62,8 @@ class CoverageAttention(nn.Module):
             )
         self.feat_proj = nn.Linear(feat_dim, dim)  # U (with the one bias of the sum)
         self.query_proj = nn.Linear(query_dim, dim, bias=False)  # W
-        self.coverage_conv = nn.Conv2d(1, coverage_channels, coverage_kernel, padding=coverage_kernel // 2)  # Q
+        k = coverage_kernel
+        self.coverage_conv = nn.Conv2d(1, coverage_channels, k, padding=k // 2)  # Q
         self.coverage_proj = nn.Linear(coverage_channels, dim, bias=False)  # U_f
         # No bias on v: softmax is shift-invariant, a bias there would get zero gradient.
         self.v = nn.Linear(dim, 1, bias=False)
@@ -83,7 +84,7 @@ class CoverageAttention(nn.Module):
         cov = self.coverage_conv(coverage.unsqueeze(1))  # (B, Cq, h, w)
         cov = self.coverage_proj(cov.flatten(2).transpose(1, 2))  # (B, L, A)
         energy = self.v(torch.tanh(proj + self.query_proj(query).unsqueeze(1) + cov)).squeeze(-1)  # (B, L)
-        alpha = masked_softmax(energy * self.energy_scale, mask.reshape(B, h * w), stable=self.stable)  # (B, L)
+        # (B, L); the exp stays in this module's forward so the NaN localiser names it (and ExpBackward0).
+        alpha = masked_softmax(energy * self.energy_scale, mask.reshape(B, h * w), stable=self.stable)
         context = torch.bmm(alpha.unsqueeze(1).to(features.dtype), features).squeeze(1)  # (B, C)
         return context, alpha.view(B, h, w)
-

@@ -30,7 +30,7 @@ def tensor_checksum(obj) -> str:
         if isinstance(x, torch.Tensor):
             t = x.detach().cpu().contiguous()
             h.update(str((t.dtype, tuple(t.shape))).encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         elif isinstance(x, dict):
             for k in sorted(x, key=str):
                 h.update(str(k).encode())
@@ -74,10 +74,14 @@ def load_checkpoint(path: str | Path, verify: bool = True) -> dict:
                 f"checkpoint {path} carries a pickled Python object, which is refused because checkpoints load "
                 "with weights_only=True; re-save it as plain tensors and data"
             ) from None
-        raise UserError(f"{path} is not a readable checkpoint ({e}); it may be truncated or corrupt") from None
+        raise UserError(
+            f"{path} is not a readable checkpoint ({e}); it may be truncated or corrupt"
+        ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise UserError(f"{path} is truncated or not a checkpoint ({first}); use another checkpoint") from None
+        raise UserError(
+            f"{path} is truncated or not a checkpoint ({first}); use another checkpoint"
+        ) from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise UserError(f"{path} is not a wapstable checkpoint; give resume= a file written by this trainer")
     if payload.get("version") != VERSION:
@@ -85,7 +89,9 @@ def load_checkpoint(path: str | Path, verify: bool = True) -> dict:
             f"{path} has checkpoint format version {payload.get('version')}, this trainer reads version {VERSION}"
         )
     if verify and tensor_checksum(payload["state"]) != payload.get("checksum"):
-        raise UserError(f"{path} failed its checksum: its tensors were changed or damaged; use another checkpoint")
+        raise UserError(
+            f"{path} failed its checksum: its tensors were changed or damaged; use another checkpoint"
+        )
     return payload["state"]
 
 

@@ -73,7 +73,9 @@ def load_splits(cfg_data) -> dict[str, list[Sample]]:
         log.warning("skipped %d bad files or samples (data.on_error=skip)", len(errors))
     for split, samples in splits.items():
         if not samples:
-            raise UserError(f"the {split} split of data={name} under {root} is empty; check data.root and data.{split}")
+            raise UserError(
+                f"the {split} split of data={name} under {root} is empty; check data.root and data.{split}"
+            )
     return splits
 
 
@@ -84,7 +86,9 @@ def load_vocab(cfg_data, splits: dict[str, list[Sample]]) -> Vocab:
         if not path.is_absolute() and cfg_data.root:
             path = Path(cfg_data.root).expanduser() / path
         if not path.is_file():
-            raise UserError(f"data.dictionary={cfg_data.dictionary} does not exist; point it at a tok<TAB>index file")
+            raise UserError(
+                f"data.dictionary={cfg_data.dictionary} does not exist; point it at a tok<TAB>index file"
+            )
         try:
             return Vocab.load(path)
         except ValueError as e:
@@ -200,7 +204,9 @@ class BatchStream:
     ):
         self.batches = make_batches(samples, pixel_budget, max_batch)
         if len(self.batches) < world_size:
-            raise UserError(f"the training split gives {len(self.batches)} batches for {world_size} processes")
+            raise UserError(
+                f"the training split gives {len(self.batches)} batches for {world_size} processes"
+            )
         self.dataset = _BatchDataset(samples, self.batches, vocab)
         self.seed, self.rank, self.world_size, self.num_workers = seed, rank, world_size, num_workers
         self.epoch, self.index = 0, 0
@@ -223,6 +229,9 @@ class BatchStream:
             num_workers=self.num_workers,
             collate_fn=_identity,
             timeout=120 if self.num_workers else 0,
+            # its own generator: creating an iterator must not draw from the global RNG (dropout's), or a
+            # resumed run would diverge from an uninterrupted one
+            generator=torch.Generator().manual_seed(self.seed),
         )
         self._iter = iter(loader)
 

@@ -77,7 +77,9 @@ def setup(ddp: bool, device_name: str = "auto") -> Dist:
     if not ddp:
         return Dist()
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise UserError("trainer.ddp=true needs torchrun: `torchrun --nproc_per_node=N train.py trainer.ddp=true`")
+        raise UserError(
+            "trainer.ddp=true needs torchrun: `torchrun --nproc_per_node=N train.py trainer.ddp=true`"
+        )
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     use_cuda = torch.cuda.is_available() and device_name != "cpu"

@@ -41,7 +41,9 @@ class VGGWatcher(nn.Module):
             layers = nn.ModuleList()
             for _ in range(convs_per_block):
                 # No conv bias: the BN right after has its own.
-                layers.append(nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout)))
+                layers.append(
+                    nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout))
+                )
                 cin = cout
             self.blocks.append(layers)
         self.out_channels = cin
@@ -78,7 +80,9 @@ class DenseLayer(nn.Module):
 class DenseWatcher(nn.Module):
     """DenseWAP's watcher (Zhang et al. 2018): conv7x7/2 + max-pool, dense blocks, transitions between them."""
 
-    def __init__(self, init_channels: int, growth: int, layers: int, blocks: int, compression: float, dropout: float):
+    def __init__(
+        self, init_channels: int, growth: int, layers: int, blocks: int, compression: float, dropout: float
+    ):
         super().__init__()
         self.stem = nn.Conv2d(1, init_channels, 7, stride=2, padding=3, bias=False)
         self.stem_norm = nn.BatchNorm2d(init_channels)
@@ -93,7 +97,9 @@ class DenseWatcher(nn.Module):
             self.blocks.append(block)
             if b < blocks - 1:
                 cout = int(c * compression)
-                self.transitions.append(nn.Sequential(nn.BatchNorm2d(c), nn.ReLU(), nn.Conv2d(c, cout, 1, bias=False)))
+                self.transitions.append(
+                    nn.Sequential(nn.BatchNorm2d(c), nn.ReLU(), nn.Conv2d(c, cout, 1, bias=False))
+                )
                 c = cout
         # A final BN + ReLU as torchvision's DenseNet (norm5): the concatenated maps are otherwise unnormalised.
         self.out_norm = nn.BatchNorm2d(c)
@@ -153,12 +159,14 @@ class Parser(nn.Module):
         super().__init__()
         E, H, A = cfg.embed_dim, cfg.hidden_dim, cfg.attention
         if E % 2:
-            raise ValueError(f"model.embed_dim must be even for the maxout readout's pairs of units (got {E})")
+            raise ValueError(f"model.embed_dim must be even for the maxout readout's unit pairs (got {E})")
         # One extra row: the start token, index vocab_size (WAP fed zeros at t=0; a learned row is no worse).
         self.embed = nn.Embedding(vocab_size + 1, E)
         self.init_h = nn.Linear(feat_dim, H)
         self.gru1 = nn.GRUCell(E, H)
-        self.attention = CoverageAttention(H, feat_dim, A.dim, A.coverage_channels, A.coverage_kernel, A.stable)
+        self.attention = CoverageAttention(
+            H, feat_dim, A.dim, A.coverage_channels, A.coverage_kernel, A.stable
+        )
         self.gru2 = nn.GRUCell(feat_dim, H)
         # WAP's readout is Linear(h) + Linear(emb) + Linear(context): one Linear over the concatenation is the same.
         self.readout = nn.Linear(H + E + feat_dim, E)
@@ -250,7 +258,12 @@ def build_model(cfg_model, vocab_size: int) -> WAP:
         watcher = VGGWatcher(list(c.channels), c.convs_per_block)
     elif c.watcher == "dense":
         watcher = DenseWatcher(
-            c.dense_init_channels, c.dense_growth, c.dense_layers, c.dense_blocks, c.dense_compression, c.dropout
+            c.dense_init_channels,
+            c.dense_growth,
+            c.dense_layers,
+            c.dense_blocks,
+            c.dense_compression,
+            c.dropout,
         )
     else:
         raise ValueError(f"model.watcher must be 'vgg' or 'dense' (got {c.watcher!r})")

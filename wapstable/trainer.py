@@ -98,7 +98,9 @@ def validate_config(cfg: DictConfig) -> None:
     if g.max_consecutive_skips < 0 or g.max_total_skips < 0:
         raise UserError("guard.max_consecutive_skips and guard.max_total_skips must be >= 0")
     if g.on_budget_exhausted not in ("stop", "rollback"):
-        raise UserError(f"guard.on_budget_exhausted={g.on_budget_exhausted!r} is unknown; use stop or rollback")
+        raise UserError(
+            f"guard.on_budget_exhausted={g.on_budget_exhausted!r} is unknown; use stop or rollback"
+        )
     d = cfg.data
     if d.pixel_budget <= 0 or d.max_batch <= 0:
         raise UserError("data.pixel_budget and data.max_batch must be positive")
@@ -140,7 +142,9 @@ class Trainer:
         if resume_path is not None:
             self.resume_state = load_checkpoint(resume_path)
             if "config" not in self.resume_state or "model" not in self.resume_state:
-                raise UserError(f"{resume_path} is a checkpoint without a training state; it cannot be resumed")
+                raise UserError(
+                    f"{resume_path} is a checkpoint without a training state; it cannot be resumed"
+                )
             if overrides is not None:
                 cfg = effective_config(cfg, self.resume_state["config"], overrides)
             log.info("resuming from %s (step %d)", resume_path, self.resume_state["step"])
@@ -164,7 +168,9 @@ class Trainer:
             if split == "train":
                 samples = filter_samples(samples, d.max_image_pixels, d.max_tokens)
             if not samples:
-                raise UserError(f"no {split} sample is left after filtering; raise data.max_image_pixels or data.max_tokens")
+                raise UserError(
+                    f"no {split} sample is left after filtering; raise data.max_image_pixels or data.max_tokens"
+                )
             self.splits[split] = samples
         log.info(
             "data: %s, %d train / %d valid / %d test samples, vocabulary of %d tokens",
@@ -264,6 +270,7 @@ class Trainer:
         cfg, step = self.cfg, self.step
         self.fault.set_model(self.model, step)
         self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
         loss = forward_loss(self.ddp_model, batch, self.fault, step, cfg.trainer.precision)
         self.scaler.scale(loss).backward()
         self.scaler.unscale_(self.optimizer)
@@ -271,8 +278,16 @@ class Trainer:
         grads = [p.grad for p in params if p.grad is not None]
         total_norm = torch.nn.utils.get_total_norm(grads, norm_type=self.norm_type)
         bad = self.dist.any(nonfinite_flag(loss, total_norm))  # all ranks take the same decision
-        loss_value, norm_value, bad_value = torch.stack([loss.detach().float(), total_norm.float(), bad.float()]).tolist()
-        out = {"loss": loss_value, "grad_norm": norm_value, "skipped": False, "clipped": False, "reason": None}
+        loss_value, norm_value, bad_value = torch.stack(
+            [loss.detach().float(), total_norm.float(), bad.float()]
+        ).tolist()
+        out = {
+            "loss": loss_value,
+            "grad_norm": norm_value,
+            "skipped": False,
+            "clipped": False,
+            "reason": None,
+        }
 
         reason = None
         if bad_value and cfg.guard.skip_nonfinite:
@@ -309,11 +324,18 @@ class Trainer:
         scaler_skip = out.get("scaler_skip", False)
         if scaler_skip:
             self.counters["scaler_skips"] += 1
-            log.info("step %d: fp16 overflow, GradScaler lowers its scale to %g", self.step, self.scaler.get_scale())
+            log.info(
+                "step %d: fp16 overflow, GradScaler lowers its scale to %g",
+                self.step,
+                self.scaler.get_scale(),
+            )
         else:
             self.budget.record(True, spike=out.get("spike", False))
             log.warning("step %d skipped: %s", self.step, out["reason"])
-            if cfg.guard.checkpoint_on_anomaly and self.counters["anomaly_checkpoints"] < cfg.guard.max_anomaly_checkpoints:
+            if (
+                cfg.guard.checkpoint_on_anomaly
+                and self.counters["anomaly_checkpoints"] < cfg.guard.max_anomaly_checkpoints
+            ):
                 path = self.write_anomaly(batch, out, rng_before)
                 if path is not None and self.localization is None and cfg.guard.localize:
                     self.localize(path)
@@ -339,7 +361,12 @@ class Trainer:
                 bad = int((~torch.isfinite(g)).sum())
                 if bad:
                     per_layer_bad[name] = bad
-        record = {"step": self.step, "reason": out["reason"], "loss": out["loss"], "grad_norm": out["grad_norm"]}
+        record = {
+            "step": self.step,
+            "reason": out["reason"],
+            "loss": out["loss"],
+            "grad_norm": out["grad_norm"],
+        }
         if self.dist.world_size > 1:
             record["ranks"] = self.dist.ranks_with(bool(per_layer_bad) or not math.isfinite(out["loss"]))
         self.anomalies.append(record)
@@ -447,7 +474,9 @@ class Trainer:
             from tqdm import tqdm
 
             progress = tqdm(total=t.max_steps, initial=self.step, desc="train", dynamic_ncols=True)
-        anomaly_ctx = torch.autograd.detect_anomaly() if cfg.guard.detect_anomaly else contextlib.nullcontext()
+        anomaly_ctx = (
+            torch.autograd.detect_anomaly() if cfg.guard.detect_anomaly else contextlib.nullcontext()
+        )
         step_times = []
         try:
             with anomaly_ctx:
@@ -473,7 +502,9 @@ class Trainer:
                         self.save("last")
                     if stop_requested["flag"]:
                         self.save("last")
-                        log.warning("SIGTERM: checkpoint written at step %d; resume with resume=auto", self.step)
+                        log.warning(
+                            "SIGTERM: checkpoint written at step %d; resume with resume=auto", self.step
+                        )
                         break
         finally:
             if progress is not None:
@@ -500,11 +531,18 @@ class Trainer:
                     loss=f"{out['loss']:.3f}", gnorm=f"{out['grad_norm']:.3g}", skipped=self.budget.total
                 )
         if self.step % self.cfg.trainer.log_every == 0:
-            log.debug("step %d loss %.4f grad_norm %.4g lr %.3g", self.step, out["loss"], out["grad_norm"], lr)
+            log.debug(
+                "step %d loss %.4f grad_norm %.4g lr %.3g", self.step, out["loss"], out["grad_norm"], lr
+            )
 
     def run_eval(self, progress) -> None:
         result = self.evaluate("valid")
-        record = {"step": self.step, "exprate": result["exprate"], "wer": result["wer"], "loss": result["loss"]}
+        record = {
+            "step": self.step,
+            "exprate": result["exprate"],
+            "wer": result["wer"],
+            "loss": result["loss"],
+        }
         self.evals.append(record)
         message = (
             f"step {self.step}: valid ExpRate {result['exprate']:.2f}%  WER {result['wer']:.2f}%  "

@@ -94,7 +94,9 @@ def _clip_agc(params, grads, total_norm, factor: float = 0.01, eps: float = 1e-3
     return total_norm, clipped
 
 
-def _clip_autoclip(params, grads, total_norm, percentile: float = 10.0, history: AutoClipHistory | None = None, **_):
+def _clip_autoclip(
+    params, grads, total_norm, percentile: float = 10.0, history: AutoClipHistory | None = None, **_
+):
     """AutoClip (Seetharaman et al. 2020): clip the global norm to the p-th percentile of all norms seen so far,
     this step's included."""
     assert history is not None, "autoclip needs a history"

@@ -15,7 +15,9 @@ class Fault:
         if cfg_fault.name not in FAULTS:
             raise UserError(f"fault.name={cfg_fault.name!r} is unknown; use fault={', '.join(FAULTS)}")
         if cfg_fault.step < 0 or cfg_fault.steps < 1:
-            raise UserError(f"fault.step={cfg_fault.step} must be >= 0 and fault.steps={cfg_fault.steps} >= 1")
+            raise UserError(
+                f"fault.step={cfg_fault.step} must be >= 0 and fault.steps={cfg_fault.steps} >= 1"
+            )
         self.name, self.first, self.steps = cfg_fault.name, cfg_fault.step, cfg_fault.steps
         self.scale, self.here = cfg_fault.scale, cfg_fault.rank == rank
 

@@ -1,0 +1,181 @@
+"""WAP model: shapes for both watchers, padding invariance, paper sizes, step/forward parity, the overflow fault."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from wapstable.attention import CoverageAttention
+from wapstable.config import AttentionConfig, ModelConfig
+from wapstable.model import build_model
+
+V = 11
+
+
+def tiny_cfg(watcher: str, **kw) -> ModelConfig:
+    cfg = ModelConfig(
+        watcher=watcher,
+        channels=[4, 8],
+        convs_per_block=2,
+        dense_init_channels=8,
+        dense_growth=4,
+        dense_layers=2,
+        dense_blocks=2,
+        embed_dim=12,
+        hidden_dim=16,
+        attention=AttentionConfig(dim=10, coverage_channels=3, coverage_kernel=3),
+    )
+    for k, v in kw.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def randomise_batchnorm(model: torch.nn.Module, seed: int = 0) -> None:
+    # Fresh BN stats (mean 0, var 1, affine 1/0) map padded zeros to zero anyway: perturb them so that the padding
+    # test would catch a BN shift leaking into the padding.
+    g = torch.Generator().manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.copy_(torch.randn(m.num_features, generator=g))
+            m.running_var.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+            m.weight.data.copy_(torch.randn(m.num_features, generator=g))
+            m.bias.data.copy_(torch.randn(m.num_features, generator=g))
+
+
+def pad_batch(images: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-pad (H, W) images into (B, 1, H, W) and their (B, H, W) masks."""
+    H = max(im.shape[0] for im in images)
+    W = max(im.shape[1] for im in images)
+    x, mask = torch.zeros(len(images), 1, H, W), torch.zeros(len(images), H, W)
+    for i, im in enumerate(images):
+        x[i, 0, : im.shape[0], : im.shape[1]] = im
+        mask[i, : im.shape[0], : im.shape[1]] = 1
+    return x, mask
+
+
+def ceil_halve(n: int, times: int) -> int:
+    for _ in range(times):
+        n = math.ceil(n / 2)
+    return n
+
+
+def targets(B: int, T: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(1, V, (B, T), generator=g)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    tmask = (torch.arange(T)[None] < lengths[:, None]).float()
+    y[torch.arange(B), lengths - 1] = 0  # <eol>
+    return y * tmask.long(), tmask
+
+
+@pytest.mark.parametrize("watcher", ["vgg", "dense"])
+def test_shapes_with_ragged_odd_sizes(watcher):
+    torch.manual_seed(0)
+    model = build_model(tiny_cfg(watcher), V)
+    sizes = [(13, 37), (21, 19), (8, 50)]
+    x, mask = pad_batch([torch.rand(h, w) for h, w in sizes])
+    features, feat_mask = model.encode(x, mask)
+    s = model.watcher.stride
+    assert s == {"vgg": 4, "dense": 8}[watcher] and features.shape[1] == model.watcher.out_channels
+    assert features.shape[-2:] == feat_mask.shape[-2:] == (math.ceil(21 / s), math.ceil(50 / s))
+    for i, (h, w) in enumerate(sizes):
+        n = s.bit_length() - 1
+        assert feat_mask[i].sum() == ceil_halve(h, n) * ceil_halve(w, n)  # each image's own ceil chain
+    assert (features.permute(1, 0, 2, 3)[:, feat_mask == 0] == 0).all()
+    y, tmask = targets(3, 6)
+    logits = model(x, mask, y, tmask)
+    assert logits.shape == (3, 6, V) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("watcher", ["vgg", "dense"])
+@pytest.mark.parametrize("size", [(13, 29), (16, 32), (9, 19)])
+def test_padding_does_not_change_the_output(watcher, size):
+    torch.manual_seed(0)
+    model = build_model(tiny_cfg(watcher), V)
+    randomise_batchnorm(model)
+    model.eval()
+    small, big = torch.rand(*size), torch.rand(23, 47)
+    y, tmask = targets(2, 7)
+    with torch.no_grad():
+        alone = model(*pad_batch([small]), y[:1], tmask[:1])
+        batched = model(*pad_batch([small, big]), y, tmask)
+    torch.testing.assert_close(batched[:1], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_step_reproduces_teacher_forcing():
+    # Greedy decoding must see the same math the model was trained with.
+    torch.manual_seed(0)
+    model = build_model(tiny_cfg("vgg"), V).eval()
+    x, mask = pad_batch([torch.rand(17, 30), torch.rand(12, 41)])
+    y, tmask = targets(2, 5)
+    with torch.no_grad():
+        logits = model(x, mask, y, tmask)
+        state = model.init_state(*model.encode(x, mask))
+        prev = torch.full((2,), model.start_index)
+        for t in range(5):
+            log_probs, state, alpha = model.step(state, prev)
+            torch.testing.assert_close(log_probs, F.log_softmax(logits[:, t], -1))
+            assert alpha.shape == state.coverage.shape
+            prev = y[:, t]
+    torch.testing.assert_close(state.coverage.sum((1, 2)), torch.full((2,), 5.0))
+
+
+def test_select_state():
+    torch.manual_seed(0)
+    model = build_model(tiny_cfg("vgg"), V)
+    state = model.init_state(*model.encode(*pad_batch([torch.rand(9, 9), torch.rand(20, 20)])))
+    picked = model.select_state(state, torch.tensor([1, 1, 0]))
+    assert picked.h.shape[0] == picked.features.shape[0] == 3
+    torch.testing.assert_close(picked.features[0], state.features[1])
+    kept = model.select_state(state, torch.tensor([1, 0]), memory=False)
+    assert kept.features is state.features and torch.equal(kept.h, state.h.flip(0))
+
+
+def test_names_the_trainer_relies_on():
+    model = build_model(tiny_cfg("vgg"), V)
+    assert isinstance(dict(model.named_modules())["parser.attention"], CoverageAttention)
+    params = dict(model.named_parameters())
+    assert model.output_layer_names() == ["parser.out.weight", "parser.out.bias"]
+    assert params["parser.out.weight"].shape[0] == V
+    assert model.parser.embed.num_embeddings == V + 1 and model.start_index == V
+
+
+def test_paper_sizes():
+    # WAP (Zhang et al. 2017): 4 blocks x 4 conv3x3, [32, 64, 64, 128], stride 16.
+    wap = build_model(ModelConfig(channels=[32, 64, 64, 128], convs_per_block=4), 111)
+    assert (wap.watcher.out_channels, wap.watcher.stride) == (128, 16)
+    # DenseWAP (Zhang et al. 2018): 48 ch stem, 3 blocks x 16 layers, growth 24, compression 0.5 -> 684, stride 16.
+    cfg = ModelConfig(
+        watcher="dense", dense_init_channels=48, dense_growth=24, dense_layers=16, dense_blocks=3
+    )
+    cfg.dense_compression, cfg.dropout = 0.5, 0.2
+    dense = build_model(cfg, 111).eval()
+    assert (dense.watcher.out_channels, dense.watcher.stride) == (684, 16)
+    with torch.no_grad():
+        features, feat_mask = dense.encode(torch.rand(1, 1, 33, 40), torch.ones(1, 33, 40))
+    assert features.shape == (1, 684, 3, 3) and feat_mask.shape == (1, 3, 3)
+
+
+def test_bad_config_names_the_key():
+    with pytest.raises(ValueError, match="model.watcher"):
+        build_model(tiny_cfg("resnet"), V)
+    with pytest.raises(ValueError, match="model.embed_dim"):
+        build_model(tiny_cfg("vgg", embed_dim=13), V)
+
+
+@pytest.mark.parametrize("stable", [False, True])
+def test_attention_overflow_fault_end_to_end(stable):
+    # Seed 000 through the whole model: energies x 1e4 overflow the naive exp; the stable softmax stays finite.
+    torch.manual_seed(0)
+    cfg = tiny_cfg("vgg")
+    cfg.attention.stable = stable
+    model = build_model(cfg, V)
+    model.parser.attention.energy_scale = 1e4
+    x, mask = pad_batch([torch.rand(16, 40), torch.rand(13, 25)])
+    y, tmask = targets(2, 6)
+    logits = model(x, mask, y, tmask)
+    loss = (F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none") * tmask.flatten()).sum()
+    loss.backward()
+    finite = all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    assert finite == stable

@@ -1,0 +1,68 @@
+"""The real train.py, end to end on tiny data: the run's files, resume equality, refusals."""
+
+import json
+
+import torch
+from conftest import run_train
+
+
+def weights(path):
+    return torch.load(path, weights_only=True)["state"]["model"]
+
+
+def test_smoke_run_writes_the_run_files(tmp_path, cache_dir):
+    run = tmp_path / "run"
+    run_train([], run, cache_dir)
+    for name in [
+        "train.log",
+        "metrics.json",
+        "vocab.txt",
+        "checkpoints/last.pt",
+        "checkpoints/best.pt",
+        ".hydra/config.yaml",
+    ]:
+        assert (run / name).is_file(), name
+    assert list((run / "tb").glob("events.out.tfevents.*"))
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["steps"] == 3 and metrics["skipped_steps"] == 0
+    for key in ("wall_time_s", "best_valid_exprate", "final_valid_exprate", "test_exprate", "clip_fraction"):
+        assert key in metrics
+    assert (run / "vocab.txt").read_text().startswith("<eol>\t0\n")
+    assert "valid ExpRate" in (run / "train.log").read_text()
+    state = torch.load(run / "checkpoints" / "last.pt", weights_only=True)["state"]
+    assert (
+        state["step"] == 3 and state["vocab"][0] == "<eol>" and state["config"]["trainer"]["max_steps"] == 3
+    )
+    assert {"python", "numpy", "torch"} <= set(state["rng"])
+
+
+def test_resume_gives_bit_identical_weights(tmp_path, cache_dir):
+    common = ["model.dropout=0.3", "trainer.eval_every=3", "trainer.checkpoint_every=3", "optim=adam"]
+    straight = tmp_path / "straight"
+    run_train([*common, "trainer.max_steps=6"], straight, cache_dir)
+    first = tmp_path / "first"
+    run_train([*common, "trainer.max_steps=3"], first, cache_dir)
+    second = tmp_path / "second"
+    run_train(["trainer.max_steps=6", f"resume={first / 'checkpoints' / 'last.pt'}"], second, cache_dir)
+    a, b = weights(straight / "checkpoints" / "last.pt"), weights(second / "checkpoints" / "last.pt")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # the resumed run took its config from the checkpoint (dropout, adam) and its steps from the command line
+    state = torch.load(second / "checkpoints" / "last.pt", weights_only=True)["state"]
+    assert (
+        state["step"] == 6
+        and state["config"]["optim"]["name"] == "adam"
+        and state["config"]["model"]["dropout"] == 0.3
+    )
+
+
+def test_resume_refuses_another_model_size(tmp_path, cache_dir):
+    first = tmp_path / "first"
+    run_train([], first, cache_dir)
+    last = first / "checkpoints" / "last.pt"
+    before = last.read_bytes()
+    proc = run_train([f"resume={last}", "model.hidden_dim=24"], tmp_path / "second", cache_dir, check=False)
+    assert proc.returncode == 2
+    assert "another size" in proc.stderr + proc.stdout and "model config" in proc.stderr + proc.stdout
+    assert last.read_bytes() == before
