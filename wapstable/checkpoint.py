@@ -10,6 +10,7 @@ import hashlib
 import os
 import pickle
 import random
+import re
 import tempfile
 from pathlib import Path
 
@@ -69,19 +70,15 @@ def load_checkpoint(path: str | Path, verify: bool = True) -> dict:
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        if "Weights only load failed" in str(e):
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        if found:
             raise UserError(
-                f"checkpoint {path} carries a pickled Python object, which is refused because checkpoints load "
-                "with weights_only=True; re-save it as plain tensors and data"
+                f"checkpoint {path} carries a pickled Python object ({found.group(1)}), which is refused because "
+                "checkpoints load with weights_only=True; re-save it as plain tensors and data"
             ) from None
-        raise UserError(
-            f"{path} is not a readable checkpoint ({e}); it may be truncated or corrupt"
-        ) from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise UserError(
-            f"{path} is truncated or not a checkpoint ({first}); use another checkpoint"
-        ) from None
+        raise UserError(f"{path} is truncated or not a checkpoint; use another checkpoint") from None
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError, IndexError, TypeError):
+        raise UserError(f"{path} is truncated or not a checkpoint; use another checkpoint") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise UserError(f"{path} is not a wapstable checkpoint; give resume= a file written by this trainer")
     if payload.get("version") != VERSION:

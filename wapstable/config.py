@@ -125,9 +125,10 @@ class FaultConfig:
 
 @dataclass
 class StatsConfig:
-    every: int = 50
-    histogram_every: int = 500
-    attention_images: int = 4
+    every: int = 50  # grad_stats.csv rows every N steps (0 = off; anomalous steps are always written)
+    histogram_every: int = 500  # TensorBoard histograms of gradients and weights (0 = off)
+    attention_images: int = 4  # validation samples drawn with their attention at each evaluation (0 = off)
+    csv: bool = True  # false: no grad_stats.csv at all, not even anomalous steps
 
 
 @dataclass

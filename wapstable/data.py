@@ -32,13 +32,13 @@ class Batch(NamedTuple):
         return Batch(*(t.to(device, non_blocking=True) for t in self[:4]), self.ids)
 
 
-def load_splits(cfg_data) -> dict[str, list[Sample]]:
-    """The train/valid/test samples of the configured data source."""
+def load_splits(cfg_data, which: Sequence[str] = SPLITS) -> dict[str, list[Sample]]:
+    """The samples of the configured data source by split; `which` splits to read (an evaluation needs one)."""
     name = cfg_data.name
     if name == "synthetic":
         from .synthetic import build_splits
 
-        return build_splits(cfg_data)
+        return {split: samples for split, samples in build_splits(cfg_data).items() if split in which}
     if cfg_data.on_error not in ("fail", "skip"):
         raise UserError(f"data.on_error={cfg_data.on_error!r} is not valid; use data.on_error=fail or skip")
     if not cfg_data.root:
@@ -47,7 +47,7 @@ def load_splits(cfg_data) -> dict[str, list[Sample]]:
     if not root.is_dir():
         raise UserError(f"data.root={cfg_data.root} is not a folder; set data.root to the {name} data folder")
     splits, errors = {}, []
-    for split in SPLITS:
+    for split in which:
         part = getattr(cfg_data, split)
         try:
             if name == "crohme":

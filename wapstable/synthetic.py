@@ -18,6 +18,7 @@ import time
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
 import matplotlib
 import numpy as np
@@ -33,9 +34,8 @@ from wapstable.sample import Sample
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = (
-    1  # bump whenever the grammar, the renderer or the cache layout changes what a config produces
-)
+# bump whenever the grammar, the renderer or the cache layout changes what a config produces
+FORMAT_VERSION = 1
 SPLITS = ("train", "valid", "test")
 MARGIN = 4  # px of background kept around the ink
 FONTS = ("cm", "stix", "stixsans", "dejavuserif", "dejavusans")
@@ -44,9 +44,8 @@ FONTS = ("cm", "stix", "stixsans", "dejavuserif", "dejavusans")
 # grammar
 
 DIGITS = list("0123456789")
-LETTERS = list("abcdefghijkmnpqrstuvwxyz") + list(
-    "ABCFGHLMNPRSTVXY"
-)  # no l/o/O: they read as 1/0 even in print
+# no l, o, O: they read as 1 and 0 even in print, and a recogniser cannot be blamed for that
+LETTERS = list("abcdefghijkmnpqrstuvwxyz") + list("ABCFGHLMNPRSTVXY")
 GREEK = ["\\alpha", "\\beta", "\\gamma", "\\delta", "\\theta", "\\lambda", "\\mu", "\\pi", "\\sigma", "\\phi"]
 OPERATORS = ["+", "-", "\\times", "\\div", "\\pm"]
 OP_WEIGHTS = [0.4, 0.3, 0.12, 0.08, 0.1]
@@ -56,39 +55,26 @@ BRACKETS = [("(", ")"), ("[", "]"), ("\\{", "\\}")]
 BRACKET_WEIGHTS = [0.7, 0.2, 0.1]
 STRUCTURES = ["frac", "script", "sqrt", "bracket", "bigop"]
 
-# per difficulty: nesting depth, how many structures one expression may hold in all (this bounds the length),
-# terms per top-level side and inside a structure, the chance a term is a structure (and which one: frac,
-# script, sqrt, bracket, big operator), the chance of a relation. Level 2 keeps labels short (mostly under 25
-# tokens) but makes fractions, scripts and roots common, so a small model sees every 2-D layout early.
+
+class _Level(NamedTuple):
+    """How one difficulty draws: `structs` caps the structures per expression, which bounds the length."""
+
+    depth: int  # how deep structures nest
+    structs: int
+    terms: tuple[int, int]  # terms per top-level side
+    inner: tuple[int, int]  # terms per side inside a structure
+    p_struct: float  # chance that a term is a structure
+    p_rel: float  # chance of a relation and a second side
+    kinds: tuple[float, ...]  # weights of STRUCTURES
+
+
+# Level 2, the default, keeps labels short (mostly under 25 tokens) but makes fractions, scripts and roots
+# common, so a small model sees every 2-D layout early.
 LEVELS = {
-    1: dict(depth=0, structs=0, terms=(1, 4), inner=(1, 1), p_struct=0.0, p_rel=0.35, kinds=[1, 1, 1, 1, 1]),
-    2: dict(
-        depth=1,
-        structs=3,
-        terms=(1, 2),
-        inner=(1, 2),
-        p_struct=0.65,
-        p_rel=0.3,
-        kinds=[0.3, 0.3, 0.25, 0.08, 0.07],
-    ),
-    3: dict(
-        depth=2,
-        structs=4,
-        terms=(1, 3),
-        inner=(1, 2),
-        p_struct=0.6,
-        p_rel=0.4,
-        kinds=[0.28, 0.28, 0.2, 0.12, 0.12],
-    ),
-    4: dict(
-        depth=3,
-        structs=7,
-        terms=(2, 4),
-        inner=(1, 2),
-        p_struct=0.6,
-        p_rel=0.5,
-        kinds=[0.26, 0.26, 0.2, 0.14, 0.14],
-    ),
+    1: _Level(0, 0, (1, 4), (1, 1), 0.0, 0.35, (1, 1, 1, 1, 1)),
+    2: _Level(1, 3, (1, 2), (1, 2), 0.65, 0.3, (0.3, 0.3, 0.25, 0.08, 0.07)),
+    3: _Level(2, 4, (1, 3), (1, 2), 0.6, 0.4, (0.28, 0.28, 0.2, 0.12, 0.12)),
+    4: _Level(3, 7, (2, 4), (1, 2), 0.6, 0.5, (0.26, 0.26, 0.2, 0.14, 0.14)),
 }
 
 
@@ -100,18 +86,19 @@ class _Grammar:
             raise ValueError(f"difficulty must be one of {sorted(LEVELS)}, got {difficulty!r}")
         self.rng = rng
         self.level = LEVELS[difficulty]
-        kinds = np.asarray(self.level["kinds"], dtype=float)
+        kinds = np.asarray(self.level.kinds, dtype=float)
         self.kind_p = kinds / kinds.sum()
+        self.structs = 0  # structures the expression being built may still add
 
     def pick(self, items, p=None):
         return items[self.rng.choice(len(items), p=p)]
 
     def expression(self) -> list[str]:
-        self.structs = self.level["structs"]
-        depth = self.level["depth"]
-        out = self.side(depth, self.level["terms"])
-        if self.rng.random() < self.level["p_rel"]:
-            out += [self.pick(RELATIONS, REL_WEIGHTS), *self.side(depth, self.level["terms"])]
+        self.structs = self.level.structs
+        depth = self.level.depth
+        out = self.side(depth, self.level.terms)
+        if self.rng.random() < self.level.p_rel:
+            out += [self.pick(RELATIONS, REL_WEIGHTS), *self.side(depth, self.level.terms)]
         return out
 
     def side(self, depth: int, terms: tuple[int, int]) -> list[str]:
@@ -124,11 +111,11 @@ class _Grammar:
         return out
 
     def term(self, depth: int) -> list[str]:
-        if depth <= 0 or self.structs <= 0 or self.rng.random() >= self.level["p_struct"]:
+        if depth <= 0 or self.structs <= 0 or self.rng.random() >= self.level.p_struct:
             return self.atoms()
         self.structs -= 1
         kind = self.pick(STRUCTURES, self.kind_p)
-        inner = self.level["inner"]
+        inner = self.level.inner
         if kind == "frac":
             return ["\\frac", "{", *self.side(depth - 1, inner), "}", "{", *self.side(depth - 1, inner), "}"]
         if kind == "sqrt":
@@ -184,7 +171,7 @@ class _Grammar:
 
     def bracket(self, depth: int, scripts: bool = True) -> list[str]:
         left, right = self.pick(BRACKETS, BRACKET_WEIGHTS)
-        out = [left, *self.side(depth - 1, (2, max(2, self.level["inner"][1]))), right]
+        out = [left, *self.side(depth - 1, (2, max(2, self.level.inner[1]))), right]
         if scripts and left == "(" and self.rng.random() < 0.3:
             out += ["^", "{", self.pick(DIGITS[2:]), "}"]
         return out
@@ -210,25 +197,30 @@ def _unique_expressions(
     seen, out = set(exclude), []
     for _ in range(100 * n + 1000):
         if len(out) == n:
-            return out
+            break
         tokens = grammar.expression()
         key = " ".join(tokens)
         if key not in seen:
             seen.add(key)
             out.append(tokens)
-    if len(out) == n:
-        return out
-    raise RuntimeError(f"difficulty {difficulty} yields too few distinct expressions for {n} samples")
+    if len(out) < n:
+        raise RuntimeError(f"difficulty {difficulty} yields too few distinct expressions for {n} samples")
+    return out
 
 
-def _entropy(seed: int, *parts: int) -> list[int]:
-    # SeedSequence takes only non-negative ints; the modulo keeps negative seeds distinct from positive ones
-    return [int(seed) % 2**64, *parts]
+def _rng(seed: int, *tags: int) -> np.random.Generator:
+    # The seed goes last: SeedSequence pads its entropy with zeros, so [tag, seed] and [tag, seed, 0] would be
+    # the same stream. The modulo makes negative seeds legal and keeps them apart from positive ones.
+    return np.random.default_rng([*tags, int(seed) % 2**64])
+
+
+# stream tags, so that no two uses of one seed share random numbers
+_PUBLIC, _LABELS, _RENDER = 0, 1, 2
 
 
 def generate_expressions(n: int, seed: int, difficulty: int) -> list[list[str]]:
     """`n` distinct random expressions as CROHME-style token lists, the same for the same seed."""
-    return _unique_expressions(n, np.random.default_rng(_entropy(seed, 0)), difficulty)
+    return _unique_expressions(n, _rng(seed, _PUBLIC), difficulty)
 
 
 def tokens_to_mathtext(tokens: list[str]) -> str:
@@ -249,6 +241,16 @@ def tokens_to_mathtext(tokens: list[str]) -> str:
 _parser: MathTextParser | None = None
 
 
+class _QuietGlue(logging.Filter):
+    """Drops mathtext's "Underful Vlist" dumps (a root over a script holding a fraction): the image is fine."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.args, tuple) and record.args[:1] in (("Underful",), ("Overful",)))
+
+
+logging.getLogger("matplotlib.mathtext").addFilter(_QuietGlue())
+
+
 @lru_cache(maxsize=64)
 def _font_properties(font: str, font_size: int) -> FontProperties:
     return FontProperties(size=font_size, math_fontfamily=font)
@@ -261,13 +263,20 @@ def _crop(img: np.ndarray, margin: int = MARGIN) -> np.ndarray:
     return np.pad(img, margin)
 
 
-def _blur_separable(x: torch.Tensor, sigma: float) -> torch.Tensor:
-    k = int(8 * sigma + 1) | 1
+def _smooth_field(rng: np.random.Generator, h: int, w: int, sigma: float) -> torch.Tensor:
+    # Uniform noise blurred by a Gaussian is smooth on the scale of sigma, so it is drawn and blurred on a grid
+    # 4x coarser and upsampled: the same kind of field for a small fraction of the convolution cost. Averaging
+    # 4x fewer samples leaves it 4x stronger, hence the division, which keeps torchvision's meaning of alpha.
+    step = 4
+    s = sigma / step
+    k = int(8 * s + 1) | 1
+    noise = torch.from_numpy(rng.random((2, 1, h // step + 2, w // step + 2), dtype=np.float32) * 2 - 1)
     t = torch.arange(k, dtype=torch.float32) - k // 2
-    g = torch.exp(-0.5 * (t / sigma) ** 2)
+    g = torch.exp(-0.5 * (t / s) ** 2)
     g = g / g.sum()
-    x = F.pad(x, (k // 2, k // 2, k // 2, k // 2), mode="replicate")
-    return F.conv2d(F.conv2d(x, g.view(1, 1, k, 1)), g.view(1, 1, 1, k))
+    noise = F.pad(noise, (k // 2, k // 2, k // 2, k // 2), mode="replicate")
+    noise = F.conv2d(F.conv2d(noise, g.view(1, 1, k, 1)), g.view(1, 1, 1, k))
+    return F.interpolate(noise, size=(h, w), mode="bilinear", align_corners=True)[:, 0] / step
 
 
 def _augment(img: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -285,13 +294,11 @@ def _augment(img: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         interpolation=InterpolationMode.BILINEAR,
     )
     if rng.random() < 0.7:
-        # torchvision's ElasticTransform recipe (uniform noise blurred into a smooth field, in grid units), with
-        # the blur done as two 1-D passes: its 2-D kernel of ~35x35 taps would cost more than all the rest
+        # torchvision's ElasticTransform: a smooth random field, scaled by alpha, in grid units of [-1, 1]
         hh, ww = x.shape[-2:]
-        alpha, sigma = float(rng.uniform(10.0, 30.0)), float(rng.uniform(3.0, 5.0))
-        noise = torch.from_numpy(rng.random((2, 1, hh, ww), dtype=np.float32) * 2 - 1)
-        d = _blur_separable(noise, sigma)
-        displacement = torch.stack([d[0, 0] * (alpha / ww), d[1, 0] * (alpha / hh)], dim=-1)[None]
+        alpha, sigma = float(rng.uniform(15.0, 40.0)), float(rng.uniform(3.0, 5.0))
+        d = _smooth_field(rng, hh, ww, sigma)
+        displacement = torch.stack([d[0] * (alpha / ww), d[1] * (alpha / hh)], dim=-1)[None]
         x = TF.elastic(x, displacement, interpolation=InterpolationMode.BILINEAR)
     if rng.random() < 0.3:
         s = float(rng.uniform(0.3, 0.8))
@@ -327,7 +334,7 @@ def _render_chunk(job: tuple) -> list[np.ndarray]:
     split_code, start, labels, fonts, font_size, augment, seed = job
     out = []
     for i, tokens in enumerate(labels, start):
-        rng = np.random.default_rng(_entropy(seed, 1, split_code, i))
+        rng = _rng(seed, _RENDER, split_code, i)
         font = fonts[int(rng.integers(len(fonts)))]
         out.append(render(tokens, font, font_size, rng, augment))
     return out
@@ -357,7 +364,7 @@ def _render_all(labels: dict[str, list[list[str]]], cfg, params: dict) -> dict[s
         for start in range(0, len(labels[split]), chunk):
             batch = labels[split][start : start + chunk]
             jobs.append(
-                (code, start, batch, params["fonts"], params["font_size"], params["augment"], cfg.seed)
+                (code, start, batch, params["fonts"], params["font_size"], params["augment"], params["seed"])
             )
             owners.append(split)
     t0 = time.perf_counter()
@@ -379,7 +386,11 @@ def _render_all(labels: dict[str, list[list[str]]], cfg, params: dict) -> dict[s
 def _cache_params(cfg) -> dict:
     fonts = [str(f) for f in cfg.fonts]
     if not fonts:
-        raise ValueError("data.fonts must name at least one mathtext font")
+        raise ValueError(f"data.fonts must name at least one mathtext font set of {list(FONTS)}")
+    for font in fonts:
+        _font_properties(font, int(cfg.font_size))  # an unknown font set fails here, not in a worker
+    if min(cfg.num_train, cfg.num_valid, cfg.num_test) < 0:
+        raise ValueError("data.num_train, num_valid and num_test must not be negative")
     return dict(
         format=FORMAT_VERSION,
         num_train=int(cfg.num_train),
@@ -390,9 +401,11 @@ def _cache_params(cfg) -> dict:
         font_size=int(cfg.font_size),
         augment=bool(cfg.augment),
         seed=int(cfg.seed),
-        # a new renderer may draw other pixels for the same config
+        # a new renderer or random stream may draw other pixels for the same config
         matplotlib=matplotlib.__version__,
+        torch=torch.__version__,
         torchvision=torchvision.__version__,
+        numpy=np.__version__,
     )
 
 
@@ -408,6 +421,7 @@ def _save(path: Path, splits: dict[str, list[Sample]], params: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide a shared cache from other users
         with os.fdopen(fd, "wb") as f:
             np.savez_compressed(f, **arrays)
             f.flush()
@@ -459,7 +473,7 @@ def build_splits(cfg) -> dict[str, list[Sample]]:
 
     labels, taken = {}, frozenset()
     for code, split in reversed(list(enumerate(SPLITS))):
-        rng = np.random.default_rng(_entropy(params["seed"], 0, code))
+        rng = _rng(params["seed"], _LABELS, code)
         labels[split] = _unique_expressions(params[f"num_{split}"], rng, params["difficulty"], taken)
         taken = taken | {" ".join(t) for t in labels[split]}
     images = _render_all(labels, cfg, params)

@@ -20,20 +20,22 @@ from omegaconf import DictConfig, OmegaConf
 from . import distributed
 from .checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import Config
-from .data import BatchStream, check_labels, filter_samples, load_splits, load_vocab, make_batches
-from .decoding import greedy_decode
+from .data import BatchStream, check_labels, filter_samples, load_splits, load_vocab
 from .errors import TrainingStopped, UserError
-from .metrics import ExpressionMetrics
+from .evaluation import evaluate_samples
+from .gradstats import GradStats, clip_threshold, validate_stats_config
 from .model import build_model
 from .optim import build_optimizer, build_scheduler
 from .stability.clipping import (
     AutoClipHistory,
     clip_gradients_,
     clip_options,
+    scaled_threshold,
     mode_norm_type,
     validate_clip_config,
 )
 from .stability.faults import Fault
+from .stability.rollback import Rollback
 from .stability.guard import SkipBudget, SpikeDetector, count_nonfinite_grads, nonfinite_flag
 from .vocab import Vocab
 
@@ -94,6 +96,7 @@ def validate_config(cfg: DictConfig) -> None:
     if t.precision not in ("32", "bf16", "fp16"):
         raise UserError(f"trainer.precision={t.precision!r} is unknown; use 32, bf16 or fp16")
     validate_clip_config(cfg.clip)
+    validate_stats_config(cfg.stats)
     g = cfg.guard
     if g.max_consecutive_skips < 0 or g.max_total_skips < 0:
         raise UserError("guard.max_consecutive_skips and guard.max_total_skips must be >= 0")
@@ -203,6 +206,8 @@ class Trainer:
         self.budget = SkipBudget(cfg.guard.max_consecutive_skips, cfg.guard.max_total_skips)
         self.spikes = SpikeDetector(cfg.guard.spike_window, cfg.guard.spike_zscore, cfg.guard.spike_warmup)
         self.fault = Fault(cfg.fault, self.dist.rank)
+        self.rollback = Rollback(cfg.guard)
+        self.base_lrs = list(self.scheduler.base_lrs)  # before any back-off
         self.step = 0
         self.best = {"exprate": -1.0, "step": -1}
         self.counters = {"clipped": 0, "accepted": 0, "scaler_skips": 0, "anomaly_checkpoints": 0}
@@ -213,6 +218,12 @@ class Trainer:
         if self.resume_state is not None:
             self.load_state(self.resume_state)
         self.writer = None
+        self.stats = GradStats(  # grad_stats.csv, histograms, attention images
+            cfg.stats,
+            self.run_dir if self.dist.is_main else None,  # only the main rank writes statistics
+            threshold=lambda: clip_threshold(self.cfg.clip, self.history),
+            norm_type=self.norm_type,
+        )
 
     # ---- state ----
     def state(self) -> dict:
@@ -231,6 +242,7 @@ class Trainer:
                 "spikes": self.spikes.state_dict(),
                 "history": self.history.state_dict(),
             },
+            "rollback": self.rollback.state_dict(),
             "best": dict(self.best),
             "counters": dict(self.counters),
             "evals": list(self.evals),
@@ -249,6 +261,9 @@ class Trainer:
         self.budget.load_state_dict(state["guard"]["budget"])
         self.spikes.load_state_dict(state["guard"]["spikes"])
         self.history.load_state_dict(state["guard"]["history"])
+        if "rollback" in state:
+            self.rollback.load_state_dict(state["rollback"])
+        self.apply_backoff()
         self.best = dict(state["best"])
         self.counters.update(state["counters"])
         self.evals = list(state["evals"])
@@ -270,6 +285,9 @@ class Trainer:
         cfg, step = self.cfg, self.step
         self.fault.set_model(self.model, step)
         self.model.train()
+        # BatchNorm updates its running statistics in forward: a skipped step must not keep them (a NaN batch would
+        # poison every later eval), so they are copied here and put back on a skip.
+        buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
         self.optimizer.zero_grad(set_to_none=True)
         loss = forward_loss(self.ddp_model, batch, self.fault, step, cfg.trainer.precision)
         self.scaler.scale(loss).backward()
@@ -299,16 +317,22 @@ class Trainer:
         elif cfg.guard.skip_spikes and not bad_value:
             reason = self.spikes.check(loss_value, norm_value)
             out["spike"] = reason is not None
+        # Before clipping: the per-layer gradients as backward left them.
+        self.stats.capture(step, self.model, anomalous=bool(bad_value) or reason is not None)
         if reason is not None:
             out.update(skipped=True, reason=reason)
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
             self.scaler.update()
+            self.stats.finish(step, self.model, out)
             return out
 
         lr_mult = self.fault.lr_multiplier(step)
         if lr_mult != 1.0:
             for group in self.optimizer.param_groups:
                 group["lr"] *= lr_mult
-        opts = clip_options(cfg.clip, self.history, skip=self.clip_skip)
+        opts = clip_options(cfg.clip, self.history, skip=self.clip_skip, scale=self.rollback.clip_scale)
         _, clipped = clip_gradients_(params, cfg.clip.mode, total_norm=total_norm, **opts)
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -316,6 +340,7 @@ class Trainer:
         if cfg.guard.skip_spikes:
             self.spikes.update(loss_value, norm_value)
         out["clipped"] = bool(clipped) if cfg.clip.mode != "none" else False
+        self.stats.finish(step, self.model, out)
         return out
 
     def handle_skip(self, batch, out: dict, rng_before: dict) -> None:
@@ -344,12 +369,75 @@ class Trainer:
             reason = self.budget.exhausted()
             if self.counters["anomaly_checkpoints"] == 0 or not cfg.guard.checkpoint_on_anomaly:
                 self.write_anomaly(batch, out, rng_before, force=True)
+            if self.rollback.can_roll_back() and self.roll_back(reason):
+                return
+            if self.rollback.events:
+                reason += f" after {len(self.rollback.events)} rollbacks (guard.max_rollbacks={cfg.guard.max_rollbacks})"
             self.save("last")
             self.finish_logs()
             raise TrainingStopped(
                 f"{reason} at step {self.step}; anomaly checkpoints are in {self.run_dir / 'anomalies'}, "
                 f"replay one with `python scripts/replay_anomaly.py PATH`"
             )
+
+    def apply_backoff(self) -> None:
+        """Scale the schedule's base lrs by the rollback back-off in force, and set the current lrs to match."""
+        self.scheduler.base_lrs = [lr * self.rollback.lr_scale for lr in self.base_lrs]
+        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+            group["lr"] = base * factor
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
+    def roll_back(self, reason: str) -> bool:
+        """Restore the newest trusted state, back off lr and clip threshold, keep the data stream going."""
+        last = self.run_dir / "checkpoints" / "last.pt"
+        saved = None
+        if last.is_file():
+            try:
+                saved = load_checkpoint(last)
+            except UserError as e:
+                log.warning("rollback: ignoring %s (%s)", last, e)
+        choice = self.rollback.pick(saved)
+        if choice is None:
+            log.error("rollback: no state from before the failures to return to")
+            return False
+        state, source = choice
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.history.load_state_dict(state["guard"]["history"])
+        self.rollback.back_off()
+        self.apply_backoff()
+        self.budget.consecutive = 0
+        event = {
+            "step": self.step,
+            "restored_step": int(state["step"]),
+            "source": source,
+            "reason": reason,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "clip_threshold": scaled_threshold(self.cfg.clip, self.rollback.clip_scale),
+            "batches_skipped": self.step + 1 - int(state["step"]),
+        }
+        self.rollback.record(event)
+        log.warning(
+            "ROLLBACK %d/%d at step %d: %s; restored the %s of step %d, lr now %.4g, clip threshold %s, "
+            "%d batches skipped",
+            len(self.rollback.events),
+            self.cfg.guard.max_rollbacks,
+            self.step,
+            reason,
+            source,
+            event["restored_step"],
+            event["lr"],
+            event["clip_threshold"],
+            event["batches_skipped"],
+        )
+        if self.writer is not None:
+            self.writer.add_scalar("guard/rollback", len(self.rollback.events), self.step)
+            self.writer.add_text("guard/rollbacks", json.dumps(event), self.step)
+        return True
 
     def write_anomaly(self, batch, out: dict, rng_before: dict, force: bool = False) -> Path | None:
         """anomalies/step-N.pt: the state before the step, its RNG, the offending batch and per-layer figures."""
@@ -407,29 +495,25 @@ class Trainer:
     # ---- evaluation ----
     @torch.no_grad()
     def evaluate(self, split: str, beam_size: int | None = None) -> dict:
-        from .decoding import beam_search
+        """Metrics (and teacher-forced loss) of a split, through the same code as scripts/evaluate.py."""
+        cfg = self.cfg
 
-        self.model.eval()
-        samples = self.splits[split]
-        metrics = ExpressionMetrics()
-        total_loss, n = 0.0, 0
-        beam = beam_size or self.cfg.decode.beam_size
-        from .data import collate
+        def loss_fn(model, batch):
+            with autocast(self.device, cfg.trainer.precision):
+                logits = model(batch.images, batch.image_mask, batch.targets, batch.target_mask)
+            return sequence_loss(logits, batch.targets, batch.target_mask)
 
-        for idx in make_batches(samples, self.cfg.data.pixel_budget, self.cfg.data.max_batch):
-            batch = collate([samples[i] for i in idx], self.vocab).to(self.device)
-            with autocast(self.device, self.cfg.trainer.precision):
-                logits = self.model(batch.images, batch.image_mask, batch.targets, batch.target_mask)
-            total_loss += float(sequence_loss(logits, batch.targets, batch.target_mask)) * len(idx)
-            n += len(idx)
-            if beam > 1:
-                hyps = beam_search(self.model, batch.images, batch.image_mask, beam, self.cfg.decode.max_len)
-            else:
-                hyps = greedy_decode(self.model, batch.images, batch.image_mask, self.cfg.decode.max_len)
-            metrics.update([self.vocab.decode(h) for h in hyps], [samples[i].tokens for i in idx])
-        result = metrics.compute()
-        result["loss"] = total_loss / max(1, n)
-        return result
+        return evaluate_samples(
+            self.model,
+            self.vocab,
+            self.splits[split],
+            beam_size or cfg.decode.beam_size,
+            cfg.decode.max_len,
+            cfg.data.pixel_budget,
+            cfg.data.max_batch,
+            self.device,
+            loss_fn=loss_fn,
+        )
 
     # ---- logging ----
     def open_writer(self):
@@ -454,6 +538,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.vocab.save(self.run_dir / "vocab.txt")
         self.open_writer()
+        self.stats.writer = self.writer
         log.info(
             "model %s: %.2fM parameters; optimizer %s lr %g; clip %s; device %s; precision %s",
             cfg.model.name,
@@ -485,6 +570,7 @@ class Trainer:
                     batch = self.stream.next().to(self.device)
                     rng_before = rng_state() if cfg.guard.checkpoint_on_anomaly else None
                     out = self.train_step(batch)
+                    self.rollback.note_step(self.step, out["skipped"] and not out.get("scaler_skip"))
                     if out["skipped"]:
                         self.handle_skip(batch, out, rng_before)
                     else:
@@ -492,6 +578,7 @@ class Trainer:
                         self.counters["accepted"] += 1
                         self.counters["clipped"] += out["clipped"]
                     self.step += 1
+                    self.rollback.maybe_snapshot(self.step, self.state)
                     step_times.append(time.perf_counter() - t0)
                     self.log_step(out, progress)
                     if self.dist.should_check(self.step, t.consistency_every):
@@ -553,6 +640,8 @@ class Trainer:
         log.info(message)
         for k in ("exprate", "wer", "loss"):
             self.scalar(f"valid/{k}", result[k], self.step)
+        valid = self.splits["valid"]  # a few samples drawn with their attention, to TensorBoard
+        self.stats.log_attention(self.model, valid, self.vocab, self.step, self.cfg.decode.max_len)
         if result["exprate"] > self.best["exprate"]:
             self.best = {"exprate": result["exprate"], "step": self.step}
             self.save("best")
@@ -583,6 +672,7 @@ class Trainer:
             "anomalies": self.anomalies,
             "clip_fraction": self.counters["clipped"] / accepted,
             "localization": self.localization,
+            "rollbacks": self.rollback.events,
             "evals": self.evals,
         }
         log.info(
@@ -594,6 +684,15 @@ class Trainer:
             metrics["test_exprate"],
             metrics["skipped_steps"],
         )
+        if self.rollback.events:
+            last = self.rollback.events[-1]
+            log.warning(
+                "NOT A CLEAN RUN: it rolled back %d times (last at step %d); lr now %.4g, clip threshold %s",
+                len(self.rollback.events),
+                last["step"],
+                last["lr"],
+                last["clip_threshold"],
+            )
         self.scalar("test/exprate", test["exprate"], self.step)
         self.finish_logs()
         if self.dist.is_main:

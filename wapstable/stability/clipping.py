@@ -167,15 +167,34 @@ def validate_clip_config(cfg_clip) -> None:
         raise UserError(f"clip.percentile={cfg_clip.percentile} must lie in (0, 100]")
 
 
-def clip_options(cfg_clip, history: AutoClipHistory | None, skip=()) -> dict:
-    """The keyword options of `clip_gradients_` for a `clip` config."""
+# The option each mode's threshold lives in, which a rollback tightens by guard.clip_backoff.
+THRESHOLD_KEY = {
+    "norm": "max_norm",
+    "inf": "max_norm",
+    "value": "value",
+    "agc": "factor",
+    "autoclip": "percentile",
+}
+
+
+def clip_options(cfg_clip, history: AutoClipHistory | None, skip=(), scale: float = 1.0) -> dict:
+    """The keyword options of `clip_gradients_` for a `clip` config, its threshold multiplied by `scale`."""
     mode = cfg_clip.mode
     if mode in ("norm", "inf"):
-        return {"max_norm": cfg_clip.max_norm, "norm_type": mode_norm_type(mode, cfg_clip.norm_type)}
-    if mode == "value":
-        return {"value": cfg_clip.value}
-    if mode == "agc":
-        return {"factor": cfg_clip.factor, "eps": cfg_clip.eps, "skip": skip}
-    if mode == "autoclip":
-        return {"percentile": cfg_clip.percentile, "history": history}
-    return {}
+        opts = {"max_norm": cfg_clip.max_norm, "norm_type": mode_norm_type(mode, cfg_clip.norm_type)}
+    elif mode == "value":
+        opts = {"value": cfg_clip.value}
+    elif mode == "agc":
+        opts = {"factor": cfg_clip.factor, "eps": cfg_clip.eps, "skip": skip}
+    elif mode == "autoclip":
+        opts = {"percentile": cfg_clip.percentile, "history": history}
+    else:
+        return {}
+    opts[THRESHOLD_KEY[mode]] *= scale
+    return opts
+
+
+def scaled_threshold(cfg_clip, scale: float = 1.0) -> float | None:
+    """The configured threshold of the clip mode after a rollback's back-off (None for clip=none)."""
+    key = THRESHOLD_KEY.get(cfg_clip.mode)
+    return None if key is None else float(cfg_clip[key]) * scale

@@ -1,0 +1,200 @@
+"""Evaluation and inference from a checkpoint: rebuild the model, decode samples or image files, score, draw.
+
+One evaluation path: the trainer's validation and test evaluations, `scripts/evaluate.py` and the tests all call
+`evaluate_samples`, so a number in metrics.json and one printed by evaluate.py come from the same code.
+"""
+
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from .checkpoint import load_checkpoint
+from .data import collate, make_batches
+from .decoding import beam_search, greedy_decode
+from .errors import UserError
+from .metrics import ExpressionMetrics
+from .model import build_model
+from .sample import Sample
+from .vocab import Vocab
+
+MARGIN = 4  # px of background kept around the ink, as the synthetic renderer and the InkML rasteriser keep
+
+
+def load_model(
+    ckpt_path: str | Path, device: torch.device | str = "cpu"
+) -> tuple[torch.nn.Module, Vocab, DictConfig]:
+    """The model of a checkpoint (weights loaded, in eval mode, on `device`), its vocabulary and its config."""
+    if not Path(ckpt_path).is_file():
+        raise UserError(
+            f"checkpoint {ckpt_path} does not exist; give the path of a .pt file written by train.py"
+        )
+    state = load_checkpoint(ckpt_path)
+    if not all(k in state for k in ("model", "vocab", "config")):
+        raise UserError(
+            f"{ckpt_path} has no model, vocabulary or config; give a checkpoint written by training"
+        )
+    vocab = Vocab(list(state["vocab"]))
+    cfg = OmegaConf.create(state["config"])
+    model = build_model(cfg.model, len(vocab))
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        first = str(e).splitlines()[0]
+        raise UserError(f"{ckpt_path}: its weights do not fit its own model config ({first})") from None
+    return model.to(device).eval(), vocab, cfg
+
+
+def decode(model, images, image_mask, beam_size: int, max_len: int, return_attention: bool = False):
+    """Greedy for beam_size 1, else beam search: token indices per image (and attention maps if asked)."""
+    if beam_size > 1:
+        return beam_search(model, images, image_mask, beam_size, max_len, return_attention=return_attention)
+    return greedy_decode(model, images, image_mask, max_len, return_attention=return_attention)
+
+
+@torch.no_grad()
+def evaluate_samples(
+    model,
+    vocab: Vocab,
+    samples: Sequence[Sample],
+    beam_size: int,
+    max_len: int,
+    pixel_budget: int,
+    max_batch: int,
+    device: torch.device | str,
+    loss_fn: Callable | None = None,
+) -> dict:
+    """Decode every sample in WAP-style batches and score it: ExpressionMetrics.compute()'s dict.
+
+    `loss_fn(model, batch)`, when given, is the teacher-forced loss of a batch; its sample-weighted mean is added as
+    result["loss"]. The model is put in eval mode for the evaluation and back in its former mode after.
+    """
+    was_training = model.training
+    model.eval()
+    metrics = ExpressionMetrics()
+    total_loss = 0.0
+    try:
+        for idx in make_batches(samples, pixel_budget, max_batch):
+            batch = collate([samples[i] for i in idx], vocab).to(device)
+            if loss_fn is not None:
+                total_loss += float(loss_fn(model, batch)) * len(idx)
+            hyps = decode(model, batch.images, batch.image_mask, beam_size, max_len)
+            metrics.update([vocab.decode(h) for h in hyps], [samples[i].tokens for i in idx])
+    finally:
+        model.train(was_training)
+    result = metrics.compute()
+    if loss_fn is not None:
+        result["loss"] = total_loss / max(1, len(samples))
+    return result
+
+
+# -----------------------------------------------------------------------------
+# image files
+
+
+def read_image(path: str | Path) -> np.ndarray:
+    """An image file (PNG, JPG, ... as Pillow reads it) as (H, W) uint8 gray, transparency flattened onto white."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as im:
+            im.load()
+            if im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info):
+                im = im.convert("RGBA")
+                white = Image.new("RGBA", im.size, (255, 255, 255, 255))
+                im = Image.alpha_composite(white, im)  # dark ink on a transparent sheet is dark ink on white
+            return np.asarray(im.convert("L"), dtype=np.uint8)
+    except (OSError, UnidentifiedImageError, ValueError) as e:
+        raise UserError(f"{path} is not a readable image ({e})") from None
+
+
+def prepare_image(
+    gray: np.ndarray, invert: str = "auto", height: int | None = None, max_pixels: int | None = None
+):
+    """A gray image in the training convention: ink bright on 0, cropped to the ink plus a margin, scaled.
+
+    invert: "auto" inverts when the background (the median pixel: ink is sparse) is bright, as for a scan or a
+    rendering of dark ink on white; "yes" / "no" force it. The background level is then subtracted and the
+    contrast stretched, so a gray scan background becomes the 0 the model was trained on. `height` scales the
+    cropped image (margin included) to that many rows; `max_pixels` shrinks a larger image to fit (the trainer
+    drops training images over data.max_image_pixels, so the model never saw bigger ones).
+    """
+    if invert not in ("auto", "yes", "no"):
+        raise UserError(f"invert={invert!r} is unknown; use auto, yes or no")
+    x = gray.astype(np.float32)
+    if invert == "yes" or (invert == "auto" and np.median(x) > 127):
+        x = 255.0 - x
+    background, peak = float(np.median(x)), float(x.max())
+    if peak - background < 16:
+        raise UserError("the image has no ink: it is one flat colour")
+    x = np.clip((x - background) / (peak - background), 0.0, 1.0) * 255.0
+    x[x < 32] = 0  # paper texture and JPEG noise would otherwise widen the crop and read as faint strokes
+    rows, cols = np.flatnonzero(x.any(1)), np.flatnonzero(x.any(0))
+    x = np.pad(x[rows[0] : rows[-1] + 1, cols[0] : cols[-1] + 1], MARGIN)
+    h, w = x.shape
+    scale = height / h if height else 1.0
+    if max_pixels and h * w * scale * scale > max_pixels:
+        scale = math.sqrt(max_pixels / (h * w))
+    if scale != 1.0:
+        from PIL import Image
+
+        size = (max(1, round(w * scale)), max(1, round(h * scale)))
+        x = np.asarray(Image.fromarray(x.astype(np.uint8)).resize(size, Image.Resampling.LANCZOS), np.float32)
+    return np.clip(x, 0, 255).round().astype(np.uint8)
+
+
+@torch.no_grad()
+def predict_image(model, image: np.ndarray, beam_size: int, max_len: int) -> tuple[list[int], np.ndarray]:
+    """Decode one prepared (H, W) uint8 image alone: token indices and their attention maps (T, h, w)."""
+    device = next(model.parameters()).device
+    x = torch.from_numpy(image.astype(np.float32) / 255.0)[None, None].to(device)
+    mask = torch.ones(1, *image.shape, device=device)
+    model.eval()
+    seqs, maps = decode(model, x, mask, beam_size, max_len, return_attention=True)
+    return seqs[0], maps[0].float().cpu().numpy()
+
+
+def attention_figure(image: np.ndarray, att: np.ndarray, tokens: list[str], stride: int, title: str, path):
+    """Save a grid: the image titled with the LaTeX, then one panel per decoded token with its attention on top.
+
+    `att` (T, h, w) is on the watcher's feature grid; cell (i, j) sees pixels [i*stride, (i+1)*stride) x
+    [j*stride, (j+1)*stride) (the pools round up, so the last cell may reach past the image and is cut off).
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    H, W = image.shape
+    T = len(tokens)
+    ncols = max(1, min(T + 1, 4 if W / H < 3 else 3 if W / H < 6 else 2))
+    nrows = math.ceil((T + 1) / ncols)
+    panel_w = 3.0 if W / H < 6 else 4.5
+    panel_h = panel_w * H / W + 0.4  # room for the title
+    fig = Figure(figsize=(ncols * panel_w, nrows * panel_h), dpi=100)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(nrows, ncols, squeeze=False).flatten()
+
+    def show(ax, text, size):
+        ax.imshow(image, cmap="gray", vmin=0, vmax=255, extent=(0, W, H, 0))
+        ax.set_xlim(0, W)
+        ax.set_ylim(H, 0)
+        ax.set_title(text.replace("$", r"\$"), fontsize=size)  # no mathtext: a token such as ^ stays itself
+        ax.set_xticks([])
+        ax.set_yticks([])
+
+    show(axes[0], title, 8)
+    if len(att):
+        gh, gw = att.shape[1:]
+        extent = (0, gw * stride, gh * stride, 0)
+    for t, tok in enumerate(tokens):
+        ax = axes[t + 1]
+        show(ax, f"{t + 1}: {tok}", 10)
+        ax.imshow(att[t], cmap="inferno", alpha=0.6, extent=extent, interpolation="bilinear", vmin=0)
+        ax.set_xlim(0, W)  # the overlay's extent may reach past the image: keep the image's frame
+        ax.set_ylim(H, 0)
+    for ax in axes[T + 1 :]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path)

@@ -1,0 +1,368 @@
+"""Per-layer gradient statistics (`grad_stats.csv`), TensorBoard histograms, and attention images.
+
+Seed 003's method: log every layer's gradient and weight figures, tell gradient explosion from the statistics, and
+pick the clip threshold from them (`scripts/grad_report.py` reads the CSV and suggests one). The trainer calls three
+hooks: `capture` before clipping, `finish` when the step is done (or skipped), `log_attention` at each evaluation.
+Figures are computed only every `stats.every` steps and on anomalous steps, which keeps the cost under 1%.
+"""
+
+import csv
+import logging
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import UserError
+
+log = logging.getLogger("wapstable")
+
+CSV_NAME = "grad_stats.csv"
+GLOBAL = "__global__"  # the name of the row that holds the step's global figures
+COLUMNS = [
+    "step",
+    "name",
+    "grad_norm",  # L2 norm of the gradient before clipping; the global row: the norm clipping measures
+    "grad_max_abs",
+    "grad_mean_abs",
+    "nonfinite",  # count of NaN/Inf gradient values
+    "param_norm",  # L2 norm of the weights after the step
+    "update_ratio",  # ||W_after - W_before|| / ||W_after||; 0 on a skipped step
+    "norm_type",  # the norm of grad_norm: 2 per layer; the global row: clip's norm (1, 2 or inf)
+    "clipped",
+    "skipped",
+    "threshold",  # global row: the global-norm threshold in force (norm/inf: max_norm; autoclip: the percentile)
+    "grad_norm_clipped",  # global row: the norm after clipping (same norm type)
+    "loss",  # global row
+]
+
+
+def validate_stats_config(cfg_stats) -> None:
+    """Fail before training on a negative interval; 0 turns a feature off."""
+    for key in ("every", "histogram_every", "attention_images"):
+        if cfg_stats[key] < 0:
+            raise UserError(f"stats.{key}={cfg_stats[key]} must be >= 0 (0 turns it off)")
+
+
+def clip_threshold(cfg_clip, history) -> float | None:
+    """The global-norm threshold in force: clip.max_norm for norm/inf, the current percentile for autoclip.
+
+    value and agc clip elementwise or per unit, so no global threshold compares with the global norm: None.
+    """
+    if cfg_clip.mode in ("norm", "inf"):
+        return float(cfg_clip.max_norm)
+    if cfg_clip.mode == "autoclip" and history is not None and history.count > 0:
+        return float(history.percentile(cfg_clip.percentile))
+    return None
+
+
+def _cell(x) -> str | float | int:
+    if x is None:
+        return ""
+    if isinstance(x, bool):
+        return int(x)
+    return x
+
+
+class GradStats:
+    """Writes per-layer figures on stats steps and on anomalous steps; histograms; attention images.
+
+    `run_dir` None (a non-main DDP rank) turns everything off. `threshold` is a callable giving the clip threshold in
+    force (only called on stats steps, since autoclip's needs a host sync). `seconds` is the time spent in the hooks.
+    """
+
+    def __init__(self, cfg_stats, run_dir, writer=None, threshold=None, norm_type: float = 2.0):
+        validate_stats_config(cfg_stats)
+        self.every = int(cfg_stats.every)
+        self.histogram_every = int(cfg_stats.histogram_every)
+        self.n_images = int(cfg_stats.attention_images)
+        self.enabled = run_dir is not None
+        write_csv = bool(getattr(cfg_stats, "csv", True))
+        self.path = Path(run_dir) / CSV_NAME if self.enabled and write_csv else None
+        self.writer = writer
+        self.threshold = threshold or (lambda: None)
+        self.norm_type = float(norm_type)
+        self.pending: dict | None = None
+        self.seconds = 0.0
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def histogram_due(self, step: int) -> bool:
+        return self.writer is not None and self.histogram_every > 0 and step % self.histogram_every == 0
+
+    # ---- hooks ----
+    def capture(self, step: int, model: torch.nn.Module, anomalous: bool = False) -> None:
+        """Before clipping: per-layer gradient figures (kept on the device) and a copy of the weights."""
+        self.pending = None
+        if not self.enabled:
+            return
+        hist, rows = self.histogram_due(step), self.due(step) or anomalous
+        if not (hist or rows):
+            return
+        t0 = time.perf_counter()
+        if hist:
+            self.histograms(step, model)
+        if rows:
+            names, params = zip(*model.named_parameters())
+            grads = [p.grad.detach() if p.grad is not None else p.new_zeros(()) for p in params]
+            numel = torch.tensor(
+                [max(1, g.numel()) for g in grads], dtype=torch.float64, device=grads[0].device
+            )
+            l1 = torch.stack(torch._foreach_norm(grads, 1)).double()
+            figures = torch.stack(
+                [
+                    torch.stack(torch._foreach_norm(grads, 2)).double(),
+                    torch.stack(torch._foreach_norm(grads, float("inf"))).double(),
+                    l1 / numel,
+                    torch.stack([(~torch.isfinite(g)).sum() for g in grads]).double(),
+                ],
+                1,
+            )  # (N, 4): norm, max |g|, mean |g|, non-finite count
+            glob = torch.stack([figures[:, 1].max(), l1.sum() / numel.sum(), figures[:, 3].sum()])
+            # The update ratio needs the weights before the step: copied only here, on stats steps.
+            before = [p.detach().clone() for p in params]
+            self.pending = {"step": step, "names": names, "params": params, "figures": figures, "glob": glob}
+            self.pending["before"] = before
+        self.seconds += time.perf_counter() - t0
+
+    def finish(self, step: int, model: torch.nn.Module, out: dict) -> None:
+        """After the optimizer step (or the skip): weights and update ratios, then one CSV write per step."""
+        p = self.pending
+        if p is None or p["step"] != step:
+            return
+        self.pending = None
+        t0 = time.perf_counter()
+        params = p["params"]
+        after = [q.detach() for q in params]
+        param_norm = torch.stack(torch._foreach_norm(after)).double()
+        delta = torch.stack(torch._foreach_norm(torch._foreach_sub(after, p["before"]))).double()
+        per_layer = torch.cat([p["figures"], param_norm[:, None], delta[:, None]], 1)  # (N, 6)
+        g_param = param_norm.square().sum().sqrt()
+        g_delta = delta.square().sum().sqrt()
+        extra = [g_param, g_delta]
+        if not out["skipped"]:  # the gradients now hold the clipped values
+            grads = [q.grad for q in params if q.grad is not None]
+            if grads:
+                extra.append(torch.nn.utils.get_total_norm(grads, norm_type=self.norm_type).double())
+        rows = per_layer.tolist()  # one host sync for the whole table
+        glob = torch.cat([p["glob"], torch.stack(extra)]).tolist()
+        threshold = self.threshold()
+
+        clipped, skipped = bool(out["clipped"]), bool(out["skipped"])
+        table = []
+        for name, (gn, gmax, gmean, bad, pn, dn) in zip(p["names"], rows):
+            table.append([step, name, gn, gmax, gmean, int(bad), pn, _ratio(dn, pn), 2, clipped, skipped])
+        gmax, gmean, gbad, gpn, gdn = glob[:5]
+        clipped_norm = glob[5] if len(glob) > 5 else None
+        ratio, norm_name = _ratio(gdn, gpn), _norm_name(self.norm_type)
+        row = [
+            step,
+            GLOBAL,
+            out["grad_norm"],
+            gmax,
+            gmean,
+            int(gbad),
+            gpn,
+            ratio,
+            norm_name,
+            clipped,
+            skipped,
+        ]
+        table.append(row + [threshold, clipped_norm, out["loss"]])
+        if self.path is not None:
+            self.write_rows(table)
+        if self.writer is not None:
+            for tag, value in (
+                ("stats/grad_norm_clipped", clipped_norm),
+                ("stats/clip_threshold", threshold),
+                ("stats/update_ratio", ratio),
+                ("stats/param_norm", gpn),
+                ("stats/nonfinite_grads", gbad),
+            ):
+                if value is not None and math.isfinite(value):
+                    self.writer.add_scalar(tag, value, step)
+        self.seconds += time.perf_counter() - t0
+
+    def write_rows(self, table: list[list]) -> None:
+        """Append to the CSV and close it, so a crash loses nothing; the header only when the file is new."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        new = not self.path.is_file() or self.path.stat().st_size == 0
+        with open(self.path, "a", newline="") as f:
+            w = csv.writer(f)
+            if new:
+                w.writerow(COLUMNS)
+            for row in table:
+                w.writerow([_cell(x) for x in row] + [""] * (len(COLUMNS) - len(row)))
+
+    def histograms(self, step: int, model: torch.nn.Module) -> None:
+        """Per-layer histograms of gradients (before clipping) and weights; non-finite values are left out."""
+        for name, q in model.named_parameters():
+            for tag, t in (("grad", q.grad), ("weight", q)):
+                if t is None:
+                    continue
+                values = t.detach().float().flatten()
+                values = values[torch.isfinite(values)]
+                if values.numel():
+                    # 64 even bins: TensorBoard re-bins for display anyway, and its default 1549 cost 5x more.
+                    self.writer.add_histogram(f"{tag}/{name}", values.cpu(), step, bins=64)
+
+    # ---- attention at evaluation ----
+    def log_attention(self, model, samples, vocab, step: int, max_len: int) -> None:
+        """The first `stats.attention_images` samples, decoded greedily, with each token's attention drawn."""
+        if self.writer is None or self.n_images <= 0 or not samples:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._log_attention(model, list(samples[: self.n_images]), vocab, step, max_len)
+        except Exception as e:  # a picture that fails must not end the run
+            log.warning("attention images at step %d failed: %s", step, e)
+        self.seconds += time.perf_counter() - t0
+
+    def _log_attention(self, model, chosen, vocab, step: int, max_len: int) -> None:
+        from .data import collate
+        from .decoding import greedy_decode
+
+        batch = collate(chosen, vocab).to(next(model.parameters()).device)
+        was_training = model.training
+        model.eval()
+        try:
+            seqs, maps = greedy_decode(model, batch.images, batch.image_mask, max_len, return_attention=True)
+        finally:
+            model.train(was_training)
+        images = batch.images[:, 0].float().cpu().numpy()
+        for i, sample in enumerate(chosen):
+            pred, att = vocab.decode(seqs[i]), maps[i].float().cpu().numpy()
+            image = attention_image(images[i], sample.image.shape, att, pred, sample.tokens)
+            self.writer.add_image(f"attention/{i}", image, step, dataformats="HWC")
+
+
+def _norm_name(norm_type: float) -> str:
+    return "inf" if math.isinf(norm_type) else f"{norm_type:g}"
+
+
+def _ratio(num: float, den: float) -> float:
+    if den > 0:
+        return num / den
+    return 0.0 if num == 0 else math.inf
+
+
+def attention_image(
+    image: np.ndarray, size: tuple[int, int], att: np.ndarray, pred: list[str], truth: list[str]
+):
+    """An RGB array: the input with the prediction, then one panel per decoded token with its attention over it.
+
+    `image` is the padded (H, W) batch image, `size` the sample's own (h, w), `att` (T, gh, gw) on the batch's
+    feature grid: the grid is stretched over the padded image, and the panels crop to the sample.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    max_tokens, ncols = 11, 3
+    h, w = size
+    H, W = image.shape
+    T = min(len(att), max_tokens)
+    nrows = math.ceil((T + 1) / ncols)
+    panel_w = 3.2
+    panel_h = max(0.6, panel_w * h / max(w, 1)) + 0.35
+    fig = Figure(figsize=(ncols * panel_w, nrows * panel_h), dpi=80)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(nrows, ncols, squeeze=False).flatten()
+
+    def show(ax, title):
+        ax.imshow(image, cmap="gray", extent=(0, W, H, 0), vmin=0, vmax=1)
+        ax.set_xlim(0, w)
+        ax.set_ylim(h, 0)
+        ax.set_title(title.replace("$", r"\$"), fontsize=8)
+        ax.set_xticks([])
+        ax.set_yticks([])
+
+    show(axes[0], f"pred: {' '.join(pred) or '(empty)'}\ntruth: {' '.join(truth)}")
+    axes[0].title.set_fontsize(7)
+    for t in range(T):
+        show(axes[t + 1], f"{t}: {pred[t] if t < len(pred) else '<eol>'}")
+        axes[t + 1].imshow(att[t], cmap="inferno", alpha=0.55, extent=(0, W, H, 0), interpolation="bilinear")
+        axes[t + 1].set_xlim(0, w)
+        axes[t + 1].set_ylim(h, 0)
+    for ax in axes[T + 1 :]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.canvas.draw()
+    return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
+
+
+# ---- overhead ----
+def measure_overhead(cfg, rounds: int = 8, pairs: int = 100) -> dict:
+    """The cost of the statistics at `cfg.stats`, measured two ways on the same trainer, in one process.
+
+    Blocks: each round draws `stats.every` batches and trains on them twice, stats on and off, alternating which
+    goes first; block times are compared by median and by mean (the brief's A/B figure; noisy on a busy machine).
+    Pairs: each batch is trained on twice more, once as a stats step and once as a plain step, back to back; the mean
+    extra time of a stats step over `every` plain steps is the overhead with the least drift (histogram steps come
+    at their usual rate among the stats steps). `hook_share` is the time spent inside the hooks over the block time.
+    """
+    from .trainer import Trainer
+
+    trainer = Trainer(cfg)
+    trainer.run_dir.mkdir(parents=True, exist_ok=True)
+    trainer.open_writer()
+    stats = trainer.stats
+    stats.writer = trainer.writer
+    every, hist_every = stats.every, stats.histogram_every
+    assert every > 0, "measure the overhead with stats.every > 0"
+    sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
+
+    def timed_steps(batches, on: bool, step: int) -> float:
+        stats.every, stats.histogram_every = (every, hist_every) if on else (0, 0)
+        trainer.step = step
+        sync()
+        t0 = time.perf_counter()
+        for batch in batches:
+            if trainer.train_step(batch)["skipped"]:
+                trainer.model.zero_grad(set_to_none=True)
+            trainer.step += 1
+        sync()
+        return time.perf_counter() - t0
+
+    def draw(n: int) -> list:
+        return [trainer.stream.next().to(trainer.device) for _ in range(n)]
+
+    timed_steps(draw(5), False, 1)  # warm-up
+    # Each arm keeps its own step counter, so the "on" arm meets stats and histogram steps at their usual rate.
+    on_times, off_times, on_step = [], [], 0
+    stats.seconds = 0.0
+    for r in range(rounds):
+        batches = draw(every)
+        for on in (True, False) if r % 2 == 0 else (False, True):
+            (on_times if on else off_times).append(timed_steps(batches, on, on_step if on else 1))
+        on_step += every
+    hook_share = stats.seconds / float(np.sum(on_times))
+
+    extra, plain = [], []
+    for k in range(pairs):
+        batch = draw(1)
+        t = {}
+        for due in (True, False) if k % 2 == 0 else (False, True):
+            t[due] = timed_steps(batch, True, k * every if due else k * every + 1)
+        extra.append(t[True] - t[False])
+        plain.append(t[False])
+    stats.every, stats.histogram_every = every, hist_every
+    trainer.writer.close()
+    step_s = float(np.median(plain))
+    on_med, off_med = float(np.median(on_times)), float(np.median(off_times))
+    return {
+        "device": str(trainer.device),
+        "threads": torch.get_num_threads(),
+        "every": every,
+        "histogram_every": hist_every,
+        "step_s": step_s,
+        "stats_step_extra_s": float(np.mean(extra)),
+        "paired_overhead": float(np.mean(extra)) / (every * step_s),
+        "hook_share": hook_share,
+        "block_ratio_median": on_med / off_med,
+        "block_ratio_mean": float(np.mean(on_times) / np.mean(off_times)),
+        "blocks_on_s": on_times,
+        "blocks_off_s": off_times,
+    }
