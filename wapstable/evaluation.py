@@ -157,44 +157,61 @@ def predict_image(model, image: np.ndarray, beam_size: int, max_len: int) -> tup
     return seqs[0], maps[0].float().cpu().numpy()
 
 
-def attention_figure(image: np.ndarray, att: np.ndarray, tokens: list[str], stride: int, title: str, path):
-    """Save a grid: the image titled with the LaTeX, then one panel per decoded token with its attention on top.
+def upsample_attention(att: np.ndarray, stride: int, size: tuple[int, int]) -> np.ndarray:
+    """Attention maps (T, h, w) on the feature grid as (T, H, W) maps on the image's pixels.
 
-    `att` (T, h, w) is on the watcher's feature grid; cell (i, j) sees pixels [i*stride, (i+1)*stride) x
-    [j*stride, (j+1)*stride) (the pools round up, so the last cell may reach past the image and is cut off).
+    Cell (i, j) sees pixels [i*stride, (i+1)*stride) x [j*stride, (j+1)*stride); the pools round up, so the last
+    cells may reach past the image and are cut off. Bilinear, so that a peak reads as a blob, not a block.
     """
+    gh, gw = att.shape[1:]
+    t = torch.as_tensor(att, dtype=torch.float32)[:, None]
+    up = torch.nn.functional.interpolate(
+        t, size=(gh * stride, gw * stride), mode="bilinear", align_corners=False
+    )
+    return up[:, 0, : size[0], : size[1]].numpy()
+
+
+def attention_figure(
+    image: np.ndarray, att: np.ndarray, tokens: list[str], stride: int, title: str, path
+) -> None:
+    """Save a grid: the input, then one panel per decoded token with the attention that emitted it drawn on top.
+
+    `image` is the (H, W) uint8 image the model read (ink bright), drawn as dark ink on white to read like paper;
+    `att` (T, h, w) is on the watcher's feature grid. Each map is scaled to its own peak, so every panel shows
+    where that step looked, however spread out its attention is.
+    """
+    from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     H, W = image.shape
     T = len(tokens)
-    ncols = max(1, min(T + 1, 4 if W / H < 3 else 3 if W / H < 6 else 2))
+    aspect = W / H
+    ncols = max(1, min(T + 1, 5 if aspect < 2 else 4 if aspect < 4 else 3 if aspect < 8 else 2))
     nrows = math.ceil((T + 1) / ncols)
-    panel_w = 3.0 if W / H < 6 else 4.5
-    panel_h = panel_w * H / W + 0.4  # room for the title
-    fig = Figure(figsize=(ncols * panel_w, nrows * panel_h), dpi=100)
+    panel_w = 2.6 if aspect < 4 else 4.0
+    panel_h = panel_w / aspect + 0.35  # room for the token above each panel
+    fig = Figure(figsize=(ncols * panel_w, nrows * panel_h + 0.5), dpi=100)
     FigureCanvasAgg(fig)
     axes = fig.subplots(nrows, ncols, squeeze=False).flatten()
+    maps = upsample_attention(att, stride, (H, W)) if T else np.zeros((0, H, W))
+    heat = colormaps["plasma"]
 
-    def show(ax, text, size):
-        ax.imshow(image, cmap="gray", vmin=0, vmax=255, extent=(0, W, H, 0))
-        ax.set_xlim(0, W)
-        ax.set_ylim(H, 0)
-        ax.set_title(text.replace("$", r"\$"), fontsize=size)  # no mathtext: a token such as ^ stays itself
+    def show(ax, text):
+        ax.imshow(255 - image, cmap="gray", vmin=0, vmax=255, interpolation="nearest")
+        ax.set_title(text.replace("$", r"\$"), fontsize=10)  # plain text: no mathtext for a token such as ^
         ax.set_xticks([])
         ax.set_yticks([])
 
-    show(axes[0], title, 8)
-    if len(att):
-        gh, gw = att.shape[1:]
-        extent = (0, gw * stride, gh * stride, 0)
+    show(axes[0], "input")
     for t, tok in enumerate(tokens):
-        ax = axes[t + 1]
-        show(ax, f"{t + 1}: {tok}", 10)
-        ax.imshow(att[t], cmap="inferno", alpha=0.6, extent=extent, interpolation="bilinear", vmin=0)
-        ax.set_xlim(0, W)  # the overlay's extent may reach past the image: keep the image's frame
-        ax.set_ylim(H, 0)
+        show(axes[t + 1], f"{t + 1}: {tok}")
+        a = maps[t] / max(float(maps[t].max()), 1e-12)
+        overlay = heat(a)
+        overlay[..., 3] = 0.75 * a  # the attention tints the ink where it is, and leaves the rest as it was
+        axes[t + 1].imshow(overlay, interpolation="nearest")
     for ax in axes[T + 1 :]:
         ax.axis("off")
+    fig.suptitle(title.replace("$", r"\$"), fontsize=11, wrap=True)
     fig.tight_layout()
     fig.savefig(path)

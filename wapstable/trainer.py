@@ -30,13 +30,13 @@ from .stability.clipping import (
     AutoClipHistory,
     clip_gradients_,
     clip_options,
-    scaled_threshold,
     mode_norm_type,
+    scaled_threshold,
     validate_clip_config,
 )
 from .stability.faults import Fault
-from .stability.rollback import Rollback
 from .stability.guard import SkipBudget, SpikeDetector, count_nonfinite_grads, nonfinite_flag
+from .stability.rollback import Rollback
 from .vocab import Vocab
 
 log = logging.getLogger("wapstable")
@@ -316,6 +316,8 @@ class Trainer:
                 out["scaler_skip"] = True  # fp16 overflow: the GradScaler lowers its scale and tries again
         elif cfg.guard.skip_spikes and not bad_value:
             reason = self.spikes.check(loss_value, norm_value)
+            if self.dist.agree(reason is not None) and reason is None:  # each rank sees its own loss
+                reason = "loss or grad-norm spike on another rank"
             out["spike"] = reason is not None
         # Before clipping: the per-layer gradients as backward left them.
         self.stats.capture(step, self.model, anomalous=bool(bad_value) or reason is not None)
@@ -455,9 +457,17 @@ class Trainer:
             "loss": out["loss"],
             "grad_norm": out["grad_norm"],
         }
-        if self.dist.world_size > 1:
-            record["ranks"] = self.dist.ranks_with(bool(per_layer_bad) or not math.isfinite(out["loss"]))
+        if self.dist.enabled:  # collectives: every rank gets here, since all ranks skip together
+            # This rank's own view: DDP averaged the gradients, so after backward a NaN is on every rank.
+            seen = not math.isfinite(out["loss"]) or self.dist.local_grads_nonfinite
+            record["ranks"] = self.dist.ranks_with(seen)
+            src = record["ranks"][0] if record["ranks"] else 0
+            if src != 0:  # rank 0 writes the checkpoint: it takes the batch and loss of the rank that saw it
+                mine = (type(batch)(*(t.cpu() for t in batch[:4]), batch.ids), out["loss"])
+                batch, record["loss"] = self.dist.from_rank(src, mine if self.dist.rank == src else None)
+            record["batch_rank"] = src  # replay applies that rank's share of the fault
         self.anomalies.append(record)
+        self.counters["anomaly_checkpoints"] += 1  # on every rank: the next skip's collectives depend on it
         if not self.dist.is_main:
             return None
         state = self.state()
@@ -477,7 +487,6 @@ class Trainer:
             "nonfinite_counts": per_layer_bad,
         }
         path = save_checkpoint(state, self.run_dir / "anomalies" / f"step-{self.step}.pt")
-        self.counters["anomaly_checkpoints"] += 1
         log.warning("step %d: anomaly checkpoint written to %s", self.step, path)
         return path
 
@@ -551,7 +560,7 @@ class Trainer:
         )
         stop_requested = {"flag": False}
         previous_handler = None
-        if self.dist.is_main and hasattr(signal, "SIGTERM"):
+        if hasattr(signal, "SIGTERM"):  # every rank: SLURM and torchrun signal them all
             with contextlib.suppress(ValueError):  # not in the main thread: leave signals alone
                 previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop_requested.update(flag=True))
         progress = None
@@ -563,6 +572,7 @@ class Trainer:
             torch.autograd.detect_anomaly() if cfg.guard.detect_anomaly else contextlib.nullcontext()
         )
         step_times = []
+        self.dist.check_consistency(self.model, self.step)  # same step and weights on every rank (DDP only)
         try:
             with anomaly_ctx:
                 while self.step < t.max_steps:
@@ -587,7 +597,8 @@ class Trainer:
                         self.run_eval(progress)
                     if self.step % t.checkpoint_every == 0 or self.step == t.max_steps:
                         self.save("last")
-                    if stop_requested["flag"]:
+                    if self.dist.agree(stop_requested["flag"]):  # all ranks stop after the same step
+                        stop_requested["flag"] = True
                         self.save("last")
                         log.warning(
                             "SIGTERM: checkpoint written at step %d; resume with resume=auto", self.step

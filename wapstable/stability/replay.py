@@ -311,8 +311,8 @@ def replay(state: dict, device="cpu", overrides: dict | None = None) -> dict:
     step = int(anomaly["step"])
     b = anomaly["batch"]
     batch = Batch(b["images"], b["image_mask"], b["targets"], b["target_mask"], list(b["ids"])).to(device)
-    # The main process wrote the checkpoint, so replay its share of the fault (rank 0).
-    fault = Fault(cfg.fault, 0)
+    # The batch is that of the rank that saw the anomaly (rank 0 without DDP): replay that rank's share of the fault.
+    fault = Fault(cfg.fault, int(anomaly.get("batch_rank", 0)))
     precision = OmegaConf.select(cfg, "trainer.precision", default="32")
 
     caller_rng = rng_state()  # before build_model, whose initialisation draws from it

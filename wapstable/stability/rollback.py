@@ -67,7 +67,7 @@ class Rollback:
         candidates = [(s, "snapshot") for s in self.snapshots]
         if checkpoint_state is not None:
             candidates.append((checkpoint_state, "checkpoint"))
-        good = [(s, src) for s, src in candidates if s["step"] < limit and weights_finite(s["model"])]
+        good = [(s, src) for s, src in candidates if s["step"] <= limit and weights_finite(s["model"])]
         if not good:
             return None
         return max(good, key=lambda c: c[0]["step"])

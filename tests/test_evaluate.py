@@ -1,0 +1,193 @@
+"""Evaluation and inference end to end: scripts/evaluate.py, scripts/predict.py, train.py on InkML and WAP pickles."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import ROOT, run_train
+from PIL import Image
+from test_crohme import write as write_inkml
+
+from wapstable.evaluation import prepare_image, upsample_attention
+from wapstable.sample import Sample
+from wapstable.synthetic import render
+from wapstable.vocab import Vocab
+from wapstable.wap_pkl import write_wap_split
+
+EXPR = ["x", "^", "{", "2", "}", "+", "\\frac", "{", "1", "}", "{", "y", "}"]
+
+
+def script(name, *args):
+    """Run scripts/<name> as a user would; returns the CompletedProcess."""
+    cmd = [sys.executable, str(ROOT / "scripts" / name), *map(str, args)]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def load_script(name):
+    """scripts/<name> as a module, to call its main() in this process (no second torch import to wait for)."""
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), ROOT / "scripts" / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, cache_dir):
+    run = tmp_path_factory.mktemp("eval") / "run"
+    run_train([], run, cache_dir)
+    return run
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# evaluate.py
+
+
+def test_evaluate_prints_the_table_and_writes_json(tiny_run):
+    ckpt = tiny_run / "checkpoints" / "best.pt"
+    proc = script("evaluate.py", ckpt)
+    assert proc.returncode == 0, proc.stderr
+    for word in ("exprate", "within_1", "within_3", "wer", "length"):
+        assert word in proc.stdout
+    result = json.loads((ckpt.parent / "eval-test.json").read_text())
+    for key in ("count", "exprate", "within_1", "within_2", "within_3", "wer", "by_length"):
+        assert key in result, key
+    assert result["count"] == 8 and result["split"] == "test" and result["beam_size"] == 1
+    assert sum(b["count"] for b in result["by_length"].values()) == 8
+    # one evaluation path: with the checkpoint's own config it reproduces the run's final test numbers
+    metrics = json.loads((tiny_run / "metrics.json").read_text())
+    assert result["exprate"] == metrics["test_exprate"] and result["wer"] == pytest.approx(
+        metrics["test_wer"]
+    )
+
+
+def test_evaluate_overrides_and_errors(tiny_run, tmp_path, capsys):
+    ckpt = tiny_run / "checkpoints" / "best.pt"
+    evaluate = load_script("evaluate.py")
+    out = tmp_path / "valid.json"
+    assert evaluate.main([str(ckpt), "split=valid", "decode.beam_size=3", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["split"] == "valid" and result["beam_size"] == 3 and result["count"] == 8
+    assert "within_2" in capsys.readouterr().out
+
+    with pytest.raises(evaluate.UserError, match="model comes from the checkpoint"):
+        evaluate.main([str(ckpt), "model.hidden_dim=8"])
+    with pytest.raises(evaluate.UserError, match="data.root"):
+        evaluate.main([str(ckpt), "data=crohme", f"data.root={tmp_path / 'nowhere'}"])
+    # a CLI error is one sentence on stderr and exit code 2
+    proc = script("evaluate.py", tmp_path / "missing.pt")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "missing.pt does not exist" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# predict.py
+
+
+def test_prepare_image_inverts_crops_and_scales():
+    ink = render(EXPR, "cm", 16, None, False)  # ink bright on 0, as the model reads it
+    paper = 255 - np.pad(ink, 20)  # dark ink on white with a wide border
+    got = prepare_image(paper)
+    assert got.dtype == np.uint8 and got[0].max() == 0 and got.max() == 255
+    assert abs(got.shape[0] - ink.shape[0]) <= 2 and abs(got.shape[1] - ink.shape[1]) <= 2  # cropped
+    assert np.array_equal(prepare_image(np.pad(ink, 20), invert="auto"), got)  # already bright ink: kept
+    assert prepare_image(paper, invert="no").max() == 255  # forced: the white page is taken as ink
+    # a gray scan background becomes 0
+    scan = np.where(paper > 127, 200, 40).astype(np.uint8)
+    assert prepare_image(scan)[0].max() == 0
+    assert prepare_image(paper, height=48).shape[0] == 48
+    h, w = prepare_image(paper, max_pixels=400).shape
+    assert h * w <= 420
+    with pytest.raises(ValueError, match="no ink"):
+        prepare_image(np.full((20, 20), 255, np.uint8))
+
+
+def test_upsample_attention_covers_the_image():
+    att = np.zeros((1, 2, 3), np.float32)
+    att[0, 1, 2] = 1.0  # the bottom-right cell of a stride-4 grid over a 7 x 10 image
+    up = upsample_attention(att, 4, (7, 10))
+    assert up.shape == (1, 7, 10)
+    assert np.unravel_index(up[0].argmax(), up[0].shape)[1] >= 8 and up[0, :3, :5].max() < 0.1
+
+
+def test_predict_prints_latex_and_draws_attention(tiny_run, tmp_path):
+    paths = []
+    for i, expr in enumerate([EXPR, ["a", "+", "b"]]):
+        ink = render(expr, "cm", 16, None, False)
+        path = tmp_path / f"expr{i}.png"
+        Image.fromarray(255 - ink).save(path)  # dark on white, as a scan or a rendering would be
+        paths.append(path)
+    out = tmp_path / "att.png"
+    proc = script("predict.py", tiny_run / "checkpoints" / "best.pt", *paths, "--beam", 2, "--attention", out)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2 and [line.split("\t")[0] for line in lines] == [str(p) for p in paths]
+    for n in (1, 2):
+        with Image.open(tmp_path / f"att-{n}.png") as im:
+            assert im.width > 200 and im.height > 100
+
+    bad = tmp_path / "notes.png"
+    bad.write_text("not an image")
+    proc = script("predict.py", tiny_run / "checkpoints" / "best.pt", bad)
+    assert proc.returncode == 2 and "notes.png" in proc.stderr and proc.stdout == ""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# train.py on real-data formats
+
+TRUTHS = [r"$x^2$", r"$\frac{1}{2}$", r"$a+b$", r"$\sqrt{x}$", r"$x_1$", r"$\left( a \right)$"]
+SMALL = ["data.height=32", "data.pixel_budget=20000", "data.max_image_pixels=20000"]
+
+
+def crohme_root(tmp_path):
+    root = tmp_path / "crohme"
+    for split in ("train", "valid", "test"):
+        (root / split).mkdir(parents=True)
+        for i, truth in enumerate(TRUTHS):
+            write_inkml(root / split / f"{split}_{i}.inkml", truth=truth)
+    return root
+
+
+def test_train_on_crohme_inkml(tmp_path, cache_dir):
+    root = crohme_root(tmp_path)
+    run = tmp_path / "run"
+    run_train(["data=crohme", f"data.root={root}", *SMALL], run, cache_dir)
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["steps"] == 3 and "test_exprate" in metrics
+
+    write_inkml(root / "train" / "broken.inkml", text="<ink><trace>1 2, 3 4</trace>")
+    run = tmp_path / "skip"
+    proc = run_train(["data=crohme", f"data.root={root}", "data.on_error=skip", *SMALL], run, cache_dir)
+    log = (run / "train.log").read_text()
+    assert "broken.inkml" in log and "skipped 1 bad files" in log
+    assert (run / "metrics.json").is_file()
+
+    proc = run_train(["data=crohme", f"data.root={root}", *SMALL], tmp_path / "fail", cache_dir, check=False)
+    assert proc.returncode == 2 and "broken.inkml" in proc.stdout + proc.stderr
+
+
+def test_train_on_wap_pickles(tmp_path, cache_dir):
+    root = tmp_path / "wap"
+    root.mkdir()
+    labels = [t.split() for t in ("x ^ { 2 }", "a + b", "\\frac { 1 } { 2 }", "x - 1")]
+    splits = {
+        split: [Sample(f"{split}_{i}", render(t, "cm", 16, None, False), t) for i, t in enumerate(labels)]
+        for split in ("train", "valid", "test")
+    }
+    for split, samples in splits.items():
+        write_wap_split(samples, root / f"offline-{split}.pkl", root / f"{split}_caption.txt")
+    Vocab.build(labels).save(root / "dictionary.txt")
+    run = tmp_path / "run"
+    run_train(["data=wap_pkl", f"data.root={root}", *SMALL], run, cache_dir)
+    assert json.loads((run / "metrics.json").read_text())["steps"] == 3
+    assert (run / "vocab.txt").read_text() == (
+        root / "dictionary.txt"
+    ).read_text()  # the data set's dictionary
+
+    unknown = Sample("valid_9", splits["valid"][0].image, ["x", "\\int", "2"])  # \int: not in the dictionary
+    write_wap_split([*splits["valid"], unknown], root / "offline-valid.pkl", root / "valid_caption.txt")
+    proc = run_train(["data=wap_pkl", f"data.root={root}", *SMALL], tmp_path / "fail", cache_dir, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "valid_9" in out and "\\int" in out
