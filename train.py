@@ -1,4 +1,8 @@
-"""Entry point: `python train.py [overrides]` composes the config and calls `wapstable.trainer.train`."""
+"""Entry point: `python train.py [overrides]` composes the config and calls `wapstable.trainer.train`.
+
+Exit status: 0 done; 1 config rejected by Hydra (or a crash); 2 a user error (config, data, checkpoint, full disk);
+3 stopped by the guard; 143 stopped by SIGTERM after writing checkpoints/last.pt (continue with resume=auto).
+"""
 
 import logging
 import os
@@ -7,7 +11,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from wapstable.config import register_configs
+from wapstable.config import quote_group_options, register_configs
 from wapstable.errors import TrainingStopped, UserError
 
 register_configs()
@@ -36,10 +40,16 @@ def main(cfg: DictConfig) -> float | None:
         if sweep:
             raise
         sys.exit(3)
+    if metrics.get("preempted"):
+        # Stopped by SIGTERM after writing last.pt: not finished, so not 0 (a `&&` chain or a scheduler's
+        # afterok must not take it for done); 143 = 128 + SIGTERM, what a shell reports for a terminated job.
+        # Also in a sweep: the node is going away, so the remaining jobs must not start on it.
+        sys.exit(143)
     return metrics.get(cfg.optimize_metric)
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = quote_group_options(sys.argv[1:])
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun: one run directory, rank-0 files
         from wapstable.distributed import torchrun_argv
 

@@ -36,7 +36,7 @@ from wapstable.metrics import format_table  # noqa: E402
 
 log = logging.getLogger("wapstable")
 # Only these parts of the config mean anything here: the model is the checkpoint's.
-ALLOWED = ("data", "decode", "trainer.device", "trainer.threads", "seed")
+ALLOWED = ("data", "decode", "trainer.device", "trainer.threads")
 
 
 def compose(saved: dict, overrides: list[str]):
@@ -99,11 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = Path(args.checkpoint)
     model, vocab, saved = load_model(ckpt, "cpu")
     cfg = compose(OmegaConf.to_container(saved), overrides)
-    beam = cfg.decode.beam_size if any(o.startswith("decode.beam_size=") for o in overrides) else None
-    beam = beam or cfg.decode.final_beam_size
+    given = any(o.startswith("decode.beam_size=") for o in overrides)
+    beam = cfg.decode.beam_size if given else cfg.decode.final_beam_size
     d = cfg.data
-    if d.name != "synthetic" and OmegaConf.is_missing(d, "root"):
-        raise UserError(f"data={d.name} needs data.root=PATH, the folder that holds the data set")
     if beam <= 0 or cfg.decode.max_len <= 0:
         raise UserError("decode.beam_size and decode.max_len must be positive")
     device = resolve_device(cfg.trainer.device)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from wapstable.config import register_configs
+from wapstable.config import quote_group_options, register_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
@@ -39,7 +39,7 @@ TINY = [
 
 def compose_config(overrides=(), run_dir=None):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides))
+        cfg = compose(config_name="config", overrides=quote_group_options(list(overrides)))
     if run_dir is not None:
         cfg.run_dir = str(run_dir)
     return cfg

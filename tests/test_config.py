@@ -5,7 +5,7 @@ import sys
 
 import pytest
 from conftest import ROOT, compose_config
-from omegaconf.errors import ConfigCompositionException
+from hydra.errors import ConfigCompositionException
 
 GROUPS = {
     "model": ["small", "wap", "densewap"],

@@ -54,7 +54,7 @@ def test_evaluate_prints_the_table_and_writes_json(tiny_run):
     result = json.loads((ckpt.parent / "eval-test.json").read_text())
     for key in ("count", "exprate", "within_1", "within_2", "within_3", "wer", "by_length"):
         assert key in result, key
-    assert result["count"] == 8 and result["split"] == "test" and result["beam_size"] == 1
+    assert result["count"] == 8 and result["split"] == "test" and result["beam_size"] == 10  # final_beam_size
     assert sum(b["count"] for b in result["by_length"].values()) == 8
     # one evaluation path: with the checkpoint's own config it reproduces the run's final test numbers
     metrics = json.loads((tiny_run / "metrics.json").read_text())
@@ -93,7 +93,8 @@ def test_prepare_image_inverts_crops_and_scales():
     assert got.dtype == np.uint8 and got[0].max() == 0 and got.max() == 255
     assert abs(got.shape[0] - ink.shape[0]) <= 2 and abs(got.shape[1] - ink.shape[1]) <= 2  # cropped
     assert np.array_equal(prepare_image(np.pad(ink, 20), invert="auto"), got)  # already bright ink: kept
-    assert prepare_image(paper, invert="no").max() == 255  # forced: the white page is taken as ink
+    with pytest.raises(ValueError, match="no ink"):  # forced: nothing is brighter than the white page
+        prepare_image(paper, invert="no")
     # a gray scan background becomes 0
     scan = np.where(paper > 127, 200, 40).astype(np.uint8)
     assert prepare_image(scan)[0].max() == 0

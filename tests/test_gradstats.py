@@ -46,7 +46,7 @@ def step_with_stats(stats, model, step, lr=0.1, skipped=False, anomalous=False):
             for p in model.parameters():
                 p -= lr * p.grad
     out = {"grad_norm": total, "loss": 1.5, "clipped": False, "skipped": skipped}
-    stats.finish(step, model, out)
+    stats.finish(step, out)
     return grads, before
 
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import TINY, compose_config, run_train
+
 from wapstable.stability.guard import SkipBudget, SpikeDetector
 from wapstable.trainer import Trainer
 
@@ -48,7 +48,13 @@ def assert_identical(a, b, path=""):
 @pytest.mark.parametrize("fault", ["nan_input", "inf_loss"])
 def test_skipped_step_changes_nothing(tmp_path, cache_dir, optim, fault):
     trainer = make_trainer(
-        tmp_path, cache_dir, f"optim={optim}", f"fault={fault}", "fault.step=2", "clip=autoclip", "optim.schedule=cosine"
+        tmp_path,
+        cache_dir,
+        f"optim={optim}",
+        f"fault={fault}",
+        "fault.step=2",
+        "clip=autoclip",
+        "optim.schedule=cosine",
     )
     for _ in range(2):  # two good steps, so the optimizer has moments and step counters
         out = trainer.train_step(trainer.stream.next())
@@ -67,7 +73,13 @@ def test_skipped_step_changes_nothing(tmp_path, cache_dir, optim, fault):
 def test_fault_run_skips_exactly_once(tmp_path, cache_dir):
     run = tmp_path / "run"
     proc = run_train(
-        ["fault=nan_input", "fault.step=5", "trainer.max_steps=10", "trainer.eval_every=10", "trainer.checkpoint_every=10"],
+        [
+            "fault=nan_input",
+            "fault.step=5",
+            "trainer.max_steps=10",
+            "trainer.eval_every=10",
+            "trainer.checkpoint_every=10",
+        ],
         run,
         cache_dir,
     )
@@ -89,7 +101,13 @@ def test_unguarded_run_is_poisoned(tmp_path, cache_dir):
 
 def test_consecutive_budget_stops_with_checkpoint(tmp_path, cache_dir):
     run = tmp_path / "run"
-    args = ["fault=inf_loss", "fault.step=1", "fault.steps=100", "trainer.max_steps=20", "guard.max_consecutive_skips=3"]
+    args = [
+        "fault=inf_loss",
+        "fault.step=1",
+        "fault.steps=100",
+        "trainer.max_steps=20",
+        "guard.max_consecutive_skips=3",
+    ]
     proc = run_train(args, run, cache_dir, check=False)
     assert proc.returncode == 3
     assert "4 consecutive skipped steps exceed guard.max_consecutive_skips=3" in proc.stdout + proc.stderr

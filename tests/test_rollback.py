@@ -3,7 +3,6 @@
 import json
 
 import torch
-
 from conftest import run_train
 
 SPIKE = [

@@ -6,6 +6,9 @@ same folder, is flushed to disk, then renamed over the target: a run killed at a
 file or the new one, never half of one.
 """
 
+import contextlib
+import errno
+import glob
 import hashlib
 import os
 import pickle
@@ -45,21 +48,75 @@ def tensor_checksum(obj) -> str:
 
 
 def save_checkpoint(state: dict, path: str | Path) -> Path:
-    """Write `state` (plus format, version and checksum) to `path` atomically; returns the path."""
+    """Write `state` (plus format, version and checksum) to `path` atomically; returns the path.
+
+    A full disk raises UserError naming the file; the earlier file at `path`, if any, is left as it was.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"format": FORMAT, "version": VERSION, "checksum": tensor_checksum(state), "state": state}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    prefix = f".{path.name}."
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
+            out = _WriteErrors(f)
+            try:
+                torch.save(payload, out)
+            except RuntimeError:
+                if out.error is None:
+                    raise
+                raise out.error from None
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise UserError(
+                f"the disk is full ({e.strerror}) while writing checkpoint {path}; nothing was replaced, so an "
+                f"earlier {path.name} is intact. Free some space, then continue with resume=auto"
+            ) from None
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    _fsync_dir(path.parent)  # the rename itself survives a power cut
+    # A run killed during a write (SIGKILL, node failure) leaves its temporary file behind; only this process
+    # writes `path`, so any other temporary file of the same name is such a leftover.
+    for stale in path.parent.glob(f"{glob.escape(prefix)}*.tmp"):
+        with contextlib.suppress(OSError):  # a leftover that cannot go costs space, not correctness
+            stale.unlink()
     return path
+
+
+class _WriteErrors:
+    """The file torch.save writes to, keeping the OSError of a failed write.
+
+    torch.save reports a failed write (a full disk) as a bare RuntimeError ("unexpected pos"), without the errno
+    that says what went wrong; this keeps it.
+    """
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _fsync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError):  # not every file system lets a directory be opened or synced
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def load_checkpoint(path: str | Path, verify: bool = True) -> dict:
@@ -70,7 +127,9 @@ def load_checkpoint(path: str | Path, verify: bool = True) -> dict:
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        # torch words it "Unsupported global: GLOBAL x.y", or for a blocked module such as os/posix (the
+        # dangerous case) "unsupported GLOBAL posix.system whose module posix is blocked"
+        found = re.search(r"[Uu]nsupported(?: global:)? GLOBAL (\S+)", str(e))
         if found:
             raise UserError(
                 f"checkpoint {path} carries a pickled Python object ({found.group(1)}), which is refused because "

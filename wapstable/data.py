@@ -38,6 +38,12 @@ def load_splits(cfg_data, which: Sequence[str] = SPLITS) -> dict[str, list[Sampl
     if name == "synthetic":
         from .synthetic import build_splits
 
+        for split in which:
+            if getattr(cfg_data, f"num_{split}") <= 0:
+                raise UserError(
+                    f"data.num_{split}={getattr(cfg_data, f'num_{split}')} leaves the synthetic {split} split "
+                    f"empty; set data.num_{split} to a positive number"
+                )
         return {split: samples for split, samples in build_splits(cfg_data).items() if split in which}
     if cfg_data.on_error not in ("fail", "skip"):
         raise UserError(f"data.on_error={cfg_data.on_error!r} is not valid; use data.on_error=fail or skip")
@@ -240,11 +246,23 @@ class BatchStream:
         if self._iter is None:
             self._start()
         try:
-            batch = next(self._iter)
-        except StopIteration:
-            self.epoch, self.index = self.epoch + 1, 0
-            self._start()
-            batch = next(self._iter)
+            try:
+                batch = next(self._iter)
+            except StopIteration:
+                self.epoch, self.index = self.epoch + 1, 0
+                self._start()
+                batch = next(self._iter)
+        except RuntimeError as e:
+            # A worker killed (out of memory, a segfault in a library) or stuck: the DataLoader's own message
+            # names neither the setting nor what to try next.
+            if not self.num_workers or "DataLoader" not in str(e):
+                raise
+            self._iter = None
+            raise UserError(
+                f"a data-loading worker failed ({e}) while reading training batch {self.index} of epoch "
+                f"{self.epoch}; rerun with data.num_workers=0 to see the error in the main process, or give "
+                "the workers more memory (shared memory, /dev/shm, in a container)"
+            ) from e
         self.index += 1
         return batch
 

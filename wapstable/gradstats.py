@@ -108,10 +108,8 @@ class GradStats:
         if rows:
             names, params = zip(*model.named_parameters())
             grads = [p.grad.detach() if p.grad is not None else p.new_zeros(()) for p in params]
-            numel = torch.tensor(
-                [max(1, g.numel()) for g in grads], dtype=torch.float64, device=grads[0].device
-            )
             l1 = torch.stack(torch._foreach_norm(grads, 1)).double()
+            numel = torch.tensor([max(1, g.numel()) for g in grads], dtype=torch.float64, device=l1.device)
             figures = torch.stack(
                 [
                     torch.stack(torch._foreach_norm(grads, 2)).double(),
@@ -124,11 +122,12 @@ class GradStats:
             glob = torch.stack([figures[:, 1].max(), l1.sum() / numel.sum(), figures[:, 3].sum()])
             # The update ratio needs the weights before the step: copied only here, on stats steps.
             before = [p.detach().clone() for p in params]
-            self.pending = {"step": step, "names": names, "params": params, "figures": figures, "glob": glob}
-            self.pending["before"] = before
+            self.pending = dict(
+                step=step, names=names, params=params, figures=figures, glob=glob, before=before
+            )
         self.seconds += time.perf_counter() - t0
 
-    def finish(self, step: int, model: torch.nn.Module, out: dict) -> None:
+    def finish(self, step: int, out: dict) -> None:
         """After the optimizer step (or the skip): weights and update ratios, then one CSV write per step."""
         p = self.pending
         if p is None or p["step"] != step:
@@ -151,26 +150,14 @@ class GradStats:
         glob = torch.cat([p["glob"], torch.stack(extra)]).tolist()
         threshold = self.threshold()
 
-        clipped, skipped = bool(out["clipped"]), bool(out["skipped"])
+        flags = [bool(out["clipped"]), bool(out["skipped"])]
         table = []
         for name, (gn, gmax, gmean, bad, pn, dn) in zip(p["names"], rows):
-            table.append([step, name, gn, gmax, gmean, int(bad), pn, _ratio(dn, pn), 2, clipped, skipped])
+            table.append([step, name, gn, gmax, gmean, int(bad), pn, _ratio(dn, pn), 2, *flags])
         gmax, gmean, gbad, gpn, gdn = glob[:5]
         clipped_norm = glob[5] if len(glob) > 5 else None
         ratio, norm_name = _ratio(gdn, gpn), _norm_name(self.norm_type)
-        row = [
-            step,
-            GLOBAL,
-            out["grad_norm"],
-            gmax,
-            gmean,
-            int(gbad),
-            gpn,
-            ratio,
-            norm_name,
-            clipped,
-            skipped,
-        ]
+        row = [step, GLOBAL, out["grad_norm"], gmax, gmean, int(gbad), gpn, ratio, norm_name, *flags]
         table.append(row + [threshold, clipped_norm, out["loss"]])
         if self.path is not None:
             self.write_rows(table)

@@ -107,16 +107,20 @@ def validate_config(cfg: DictConfig) -> None:
     d = cfg.data
     if d.pixel_budget <= 0 or d.max_batch <= 0:
         raise UserError("data.pixel_budget and data.max_batch must be positive")
-    if cfg.decode.max_len <= 0 or cfg.decode.beam_size <= 0:
-        raise UserError("decode.max_len and decode.beam_size must be positive")
+    if cfg.decode.max_len <= 0 or cfg.decode.beam_size <= 0 or cfg.decode.final_beam_size <= 0:
+        raise UserError("decode.max_len, decode.beam_size and decode.final_beam_size must be positive")
 
 
 def resolve_resume(cfg: DictConfig, run_dir: Path) -> Path | None:
+    """The checkpoint to resume from: resume=PATH, or for resume=auto the run's last.pt when there is one."""
     if not cfg.resume:
         return None
     if cfg.resume == "auto":
         last = run_dir / "checkpoints" / "last.pt"
-        return last if last.is_file() else None
+        if last.is_file():
+            return last
+        log.info("resume=auto: no %s yet, starting fresh", last)  # a restarted job's log says which it did
+        return None
     return Path(cfg.resume).expanduser()
 
 
@@ -327,7 +331,7 @@ class Trainer:
                 for b, saved in buffers:
                     b.copy_(saved)
             self.scaler.update()
-            self.stats.finish(step, self.model, out)
+            self.stats.finish(step, out)
             return out
 
         lr_mult = self.fault.lr_multiplier(step)
@@ -342,7 +346,7 @@ class Trainer:
         if cfg.guard.skip_spikes:
             self.spikes.update(loss_value, norm_value)
         out["clipped"] = bool(clipped) if cfg.clip.mode != "none" else False
-        self.stats.finish(step, self.model, out)
+        self.stats.finish(step, out)
         return out
 
     def handle_skip(self, batch, out: dict, rng_before: dict) -> None:
@@ -463,8 +467,9 @@ class Trainer:
             record["ranks"] = self.dist.ranks_with(seen)
             src = record["ranks"][0] if record["ranks"] else 0
             if src != 0:  # rank 0 writes the checkpoint: it takes the batch and loss of the rank that saw it
-                mine = (type(batch)(*(t.cpu() for t in batch[:4]), batch.ids), out["loss"])
-                batch, record["loss"] = self.dist.from_rank(src, mine if self.dist.rank == src else None)
+                mine = (type(batch)(*(t.cpu() for t in batch[:4]), batch.ids), out["loss"], out["reason"])
+                theirs = self.dist.from_rank(src, mine if self.dist.rank == src else None)
+                batch, record["loss"], record["reason"] = theirs
             record["batch_rank"] = src  # replay applies that rank's share of the fault
         self.anomalies.append(record)
         self.counters["anomaly_checkpoints"] += 1  # on every rank: the next skip's collectives depend on it
