@@ -145,6 +145,11 @@ class Trainer:
     def __init__(self, cfg: DictConfig, overrides: list[str] | None = None):
         self.run_dir = Path(cfg.run_dir)
         resume_path = resolve_resume(cfg, self.run_dir)
+        if resume_path is None and (self.run_dir / "checkpoints" / "last.pt").exists():
+            raise UserError(
+                f"{self.run_dir} already holds a run (checkpoints/last.pt); continue it with resume=auto, or "
+                "start a new one in another hydra.run.dir"
+            )
         self.resume_state = None
         if resume_path is not None:
             self.resume_state = load_checkpoint(resume_path)
