@@ -91,6 +91,8 @@ def beam_search(
             hyps.append(
                 (scores[b, r].item() / max(hist.size(2), 1), hist[b, r].tolist(), _at(att, b, r, None))
             )
+        if not hyps:  # every score NaN (a model gone non-finite): an empty hypothesis, not a crash
+            hyps.append((float("-inf"), [], _at(att, b, 0, 0)))
         _, seq, a = max(hyps, key=lambda h: h[0])
         seqs.append(seq)
         maps.append(a)

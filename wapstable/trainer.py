@@ -145,11 +145,6 @@ class Trainer:
     def __init__(self, cfg: DictConfig, overrides: list[str] | None = None):
         self.run_dir = Path(cfg.run_dir)
         resume_path = resolve_resume(cfg, self.run_dir)
-        if resume_path is None and (self.run_dir / "checkpoints" / "last.pt").exists():
-            raise UserError(
-                f"{self.run_dir} already holds a run (checkpoints/last.pt); continue it with resume=auto, or "
-                "start a new one in another hydra.run.dir"
-            )
         self.resume_state = None
         if resume_path is not None:
             self.resume_state = load_checkpoint(resume_path)
@@ -161,6 +156,7 @@ class Trainer:
                 cfg = effective_config(cfg, self.resume_state["config"], overrides)
             log.info("resuming from %s (step %d)", resume_path, self.resume_state["step"])
         self.resume_path = resume_path
+        self.fresh_over_existing = resume_path is None and (self.run_dir / "checkpoints" / "last.pt").exists()
         validate_config(cfg)
         self.cfg = cfg
         self.dist = distributed.setup(cfg.trainer.ddp, cfg.trainer.device)
@@ -516,6 +512,7 @@ class Trainer:
     def evaluate(self, split: str, beam_size: int | None = None) -> dict:
         """Metrics (and teacher-forced loss) of a split, through the same code as scripts/evaluate.py."""
         cfg = self.cfg
+        self.fault.set_model(self.model, -1)  # faults act on training steps only
 
         def loss_fn(model, batch):
             with autocast(self.device, cfg.trainer.precision):
@@ -552,6 +549,11 @@ class Trainer:
     # ---- the loop ----
     def fit(self) -> dict:
         cfg, t = self.cfg, self.cfg.trainer
+        if self.fresh_over_existing:  # checked after every other input, so those errors come first
+            raise UserError(
+                f"{self.run_dir} already holds a run (checkpoints/last.pt); continue it with resume=auto, or "
+                "start a new one in another hydra.run.dir"
+            )
         self.start_time = time.time()
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
