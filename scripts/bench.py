@@ -34,6 +34,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 # Runnable from a checkout without installing the package.
@@ -95,11 +96,12 @@ SIZES = {  # repeats, training steps per block, target seconds per micro-benchma
     "quick": dict(repeats=3, steps=2, micro_s=0.005, fit_steps=4, renders=4),
     "full": dict(repeats=15, steps=8, micro_s=0.1, fit_steps=50, renders=60),
 }
-TARGETS = {  # the issue's targets: reported, never asserted
-    "guard_ratio_max": 1.02,
-    "stats_ratio_max": 1.01,
-    "stable_vs_naive_max": 1.0,
-    "data_wait_share_max": 0.05,
+TARGETS = {  # upper bounds, reported and never asserted
+    "guard vs guards off": 1.02,
+    "statistics vs guard": 1.01,
+    "stable vs naive attention": 1.0,
+    # With data.num_workers=0 loading is in series with the step: under 5% it is not what limits a run.
+    "data wait share": 0.05,
 }
 
 
@@ -220,10 +222,11 @@ class StepBench:
         t.model.zero_grad(set_to_none=True)
 
     def run_steps(self, t: Trainer) -> None:
-        ctx = torch.autograd.detect_anomaly() if t.cfg.guard.detect_anomaly else contextlib.nullcontext()
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # detect_anomaly's "will increase the runtime" on every entry
-            with ctx:
+            # detect_anomaly's "will increase the runtime" on every entry; only it, so sync warnings still count
+            warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
+            anomaly = torch.autograd.detect_anomaly() if t.cfg.guard.detect_anomaly else None
+            with anomaly or contextlib.nullcontext():
                 for batch in self.batches:
                     t.train_step(batch)
                     t.step += 1
@@ -317,7 +320,7 @@ def bench_steps(sb: StepBench, repeats: int) -> dict:
             clips[m]["syncs_per_step"] = sb.syncs_per_step(t)
         skip["normal"]["syncs_per_step"] = steps["guard"]["syncs_per_step"]
         skip["skipped"]["syncs_per_step"] = sb.syncs_per_step(sb.trainers["skipped"])
-    return {"steps": steps, "clip": clips, "skip": skip, "stats_every": every}
+    return {"stats_every": every, "steps": steps, "clip": clips, "skip": skip}
 
 
 def bench_anomaly_write(sb: StepBench, repeats: int) -> dict:
@@ -375,86 +378,101 @@ def calibrate(dev: Device, fn: Callable[[], None], target_s: float) -> int:
     fn()
     n = 1
     while True:
-        t = dev.timed(lambda: [fn() for _ in range(n)])
+        t = dev.timed(partial(repeat, fn, n))
         if t >= target_s / 4 or n >= 1 << 16:
             return max(1, round(n * target_s / max(t, 1e-9)))
         n *= 4
 
 
+def repeat(fn: Callable[[], object], n: int) -> None:
+    for _ in range(n):
+        fn()
+
+
+def backward_of(forward: Callable[[bool], torch.Tensor]) -> Callable[[bool], None]:
+    return lambda stable: forward(stable).backward()
+
+
+def compare_stable(
+    dev: Device,
+    run: Callable[[bool], None],
+    forward: Callable[[bool], torch.Tensor],
+    repeats: int,
+    calls: int,
+) -> dict:
+    """Stable against naive: `run(stable)` is one forward and backward, `forward(stable)` the forward alone."""
+
+    def block(stable: bool) -> Callable[[], float]:
+        return lambda: dev.timed(partial(repeat, partial(run, stable), calls)) / calls
+
+    r = ratios(interleave({"stable": block(True), "naive": block(False)}, repeats), "naive")
+    for name, stable in (("stable", True), ("naive", False)):
+        r[name]["saved_bytes"] = saved_bytes(partial(forward, stable))
+        r[name]["peak_bytes"] = peak_bytes(dev, partial(run, stable))
+    return {"calls_per_block": calls, **r}
+
+
+def attention_shape(sb: StepBench, B: int, h: int, w: int, repeats: int, micro_s: float) -> dict:
+    """The masked softmax alone and one coverage-attention step, on a (h, w) feature map with padding."""
+    dev, cfg = sb.dev, sb.cfg
+    g = torch.Generator().manual_seed(h * 1000 + w)
+    A = cfg.model.attention
+    feat_dim, query_dim = sb.reference.model.parser.gru2.input_size, cfg.model.hidden_dim
+    L = h * w
+    mask = torch.ones(B, h, w)
+    mask[B // 2 :, :, (3 * w) // 4 :] = 0  # half the batch padded: the masked positions matter
+    mask = mask.to(dev.device)
+    energy = torch.randn(B, L, generator=g).mul(3).to(dev.device).requires_grad_()
+    att = CoverageAttention(query_dim, feat_dim, A.dim, A.coverage_channels, A.coverage_kernel)
+    att = att.to(dev.device)
+    query = torch.randn(B, query_dim, generator=g).to(dev.device).requires_grad_()
+    feats = torch.randn(B, L, feat_dim, generator=g).to(dev.device).requires_grad_()
+    proj = att.project_features(feats).detach().requires_grad_()
+    coverage = torch.rand(B, h, w, generator=g).to(dev.device)
+
+    def softmax(stable: bool) -> torch.Tensor:
+        return masked_softmax(energy, mask.reshape(B, L), stable).square().sum()
+
+    def attention(stable: bool) -> torch.Tensor:
+        att.stable = stable
+        context, alpha = att(query, feats, proj, mask, coverage)
+        return context.square().sum() + alpha.square().sum()
+
+    out = {}
+    for kind, forward in (("softmax", softmax), ("attention step", attention)):
+        run = backward_of(forward)
+        calls = calibrate(dev, partial(run, True), micro_s)
+        out[f"{kind} B={B} L={h}x{w}"] = compare_stable(dev, run, forward, repeats, calls)
+    return out
+
+
 def bench_attention(sb: StepBench, repeats: int, micro_s: float) -> dict:
     """Section 2: stable against naive masked softmax, one coverage-attention step, and the whole model."""
-    dev, cfg = sb.dev, sb.cfg
-    g = torch.Generator().manual_seed(0)
-    A = cfg.model.attention
-    model = sb.reference.model
-    feat_dim, query_dim = model.parser.gru2.input_size, cfg.model.hidden_dim
     out: dict[str, dict] = {}
-    B = 16
     for h, w in ((3, 16), (8, 64)):  # a short formula's feature map; a long line's (stride 16: 128 x 1024 px)
-        L = h * w
-        mask = torch.ones(B, h, w)
-        mask[B // 2 :, :, (3 * w) // 4 :] = 0  # half the batch padded: the masked positions matter
-        mask = mask.to(dev.device)
-        energy = torch.randn(B, L, generator=g).mul(3).to(dev.device).requires_grad_()
-        att = CoverageAttention(query_dim, feat_dim, A.dim, A.coverage_channels, A.coverage_kernel).to(
-            dev.device
-        )
-        query = torch.randn(B, query_dim, generator=g).to(dev.device).requires_grad_()
-        feats = torch.randn(B, L, feat_dim, generator=g).to(dev.device).requires_grad_()
-        proj = att.project_features(feats).detach().requires_grad_()
-        coverage = torch.rand(B, h, w, generator=g).to(dev.device)
-
-        def softmax_fwd(stable: bool) -> torch.Tensor:
-            return masked_softmax(energy, mask.reshape(B, L), stable)
-
-        def attention_fwd(stable: bool) -> torch.Tensor:
-            att.stable = stable
-            context, alpha = att(query, feats, proj, mask, coverage)
-            return context.sum() + alpha.sum()
-
-        for kind, fwd in (("softmax", softmax_fwd), ("attention_step", attention_fwd)):
-
-            def fwd_bwd(stable: bool, fwd=fwd) -> None:
-                fwd(stable).sum().backward()
-
-            calls = calibrate(dev, lambda fb=fwd_bwd: fb(True), micro_s)
-            blocks = {
-                v: (
-                    lambda s=(v == "stable"), fb=fwd_bwd, n=calls: (
-                        dev.timed(lambda: [fb(s) for _ in range(n)]) / n
-                    )
-                )
-                for v in ("stable", "naive")
-            }
-            r = ratios(interleave(blocks, repeats), "naive")
-            for v in ("stable", "naive"):
-                s = v == "stable"
-                r[v]["saved_bytes"] = saved_bytes(lambda s=s, fwd=fwd: fwd(s))
-                r[v]["peak_bytes"] = peak_bytes(dev, lambda s=s, fb=fwd_bwd: fb(s))
-            out[f"{kind} B={B} L={h}x{w}"] = {"calls_per_block": calls, **r}
+        out.update(attention_shape(sb, 16, h, w, repeats, micro_s))
 
     # The whole model, forward and backward on the benchmark's batches (no optimizer: the weights stay put).
+    model, precision = sb.reference.model, sb.cfg.trainer.precision
     attn = model.parser.attention
-    precision = cfg.trainer.precision
+    saved = copy.deepcopy(model.state_dict())  # BatchNorm's running statistics move in forward
 
-    def model_fwd_bwd(stable: bool) -> None:
+    def forward(stable: bool) -> torch.Tensor:
+        attn.stable = stable
+        return forward_loss(model, sb.batches[0], None, 0, precision)
+
+    def run(stable: bool) -> None:
         attn.stable = stable
         model.zero_grad(set_to_none=True)
         for batch in sb.batches:
             forward_loss(model, batch, None, 0, precision).backward()
 
-    blocks = {v: (lambda s=(v == "stable"): dev.timed(lambda: model_fwd_bwd(s))) for v in ("stable", "naive")}
-    saved = copy.deepcopy(model.state_dict())  # BatchNorm's running statistics move in forward
-    r = ratios(interleave(blocks, repeats), "naive")
-    for v in ("stable", "naive"):
-        s = v == "stable"
-        attn.stable = s
-        r[v]["saved_bytes"] = saved_bytes(lambda: forward_loss(model, sb.batches[0], None, 0, precision))
-        r[v]["peak_bytes"] = peak_bytes(dev, lambda s=s: model_fwd_bwd(s))
-    attn.stable = bool(cfg.model.attention.stable)
+    out[f"model fwd+bwd ({len(sb.batches)} batches)"] = compare_stable(
+        dev=sb.dev, run=run, forward=forward, repeats=repeats, calls=1
+    )
+    attn.stable = bool(sb.cfg.model.attention.stable)
     model.load_state_dict(saved)
     model.zero_grad(set_to_none=True)
-    out[f"model fwd+bwd ({len(sb.batches)} batches)"] = {"calls_per_block": 1, **r}
     return out
 
 
@@ -553,17 +571,16 @@ def fmt_syncs(r: dict) -> str:
 
 def table(res: dict) -> str:
     """Markdown tables (ready for the README): medians with the interquartile range in brackets."""
-    m, st = res["machine"], res["steps"]
+    m, settings, every = res["machine"], res["settings"], res["stats_every"]
+    gpu = f" ({m['gpu']})" if "gpu" in m else ""
     lines = [
-        f"wapstable bench ({'quick' if res['settings']['quick'] else 'full'}): {m['cpu']}, {m['cores']} cores, "
-        f"torch {m['torch']} on {m['device']}" + (f" ({m['gpu']})" if "gpu" in m else "") + f", "
-        f"{res['settings']['repeats']} repeats of {res['settings']['steps']} steps; "
-        f"load average {m.get('load_average', '?')}",
+        f"wapstable bench ({'quick' if settings['quick'] else 'full'}): {m['cpu']}, {m['cores']} cores, "
+        f"torch {m['torch']} on {m['device']}{gpu}, "
+        f"{settings['repeats']} repeats of {settings['steps']} steps; load average {m.get('load_average', '?')}",
         "",
         "| training step | time per step | vs guards off | samples/s | host syncs/step |",
         "|---|---|---|---|---|",
     ]
-    every = st["stats_every"]
     labels = {
         "bare": "bare loop (no trainer)",
         "off": "guards off",
@@ -573,24 +590,28 @@ def table(res: dict) -> str:
         "anomaly": "guard + detect_anomaly",
     }
     for k, label in labels.items():
-        r = st["steps"][k]
+        r = res["steps"][k]
         lines.append(
             f"| {label} | {fmt_ms(r)} | {fmt_ratio(r)} | {r['samples_per_s']:.1f} | {fmt_syncs(r)} |"
         )
-    r = st["steps"]["stats overhead"]
-    lines.append(f"| statistics alone (every {every}, derived) | | {fmt_ratio(r)} of the guard's step | | |")
+    r = res["steps"]["stats overhead"]
+    lines.append(f"| statistics alone (every {every}, derived) | | {fmt_ratio(r)} of the guard's | | |")
+
     lines += ["", "| clip mode | time per step | vs clip=none | host syncs/step |", "|---|---|---|---|"]
-    for k, r in st["clip"].items():
+    for k, r in res["clip"].items():
         lines.append(f"| {k} | {fmt_ms(r)} | {fmt_ratio(r)} | {fmt_syncs(r)} |")
+
+    skip = res["skip"]
     lines += ["", "| step | time | vs normal step | host syncs/step |", "|---|---|---|---|"]
-    for k, r in st["skip"].items():
-        lines.append(f"| {k} | {fmt_ms(r)} | {fmt_ratio(r)} | {fmt_syncs(r)} |")
-    a = res["anomaly"]
+    for k in ("normal", "skipped"):
+        lines.append(f"| {k} | {fmt_ms(skip[k])} | {fmt_ratio(skip[k])} | {fmt_syncs(skip[k])} |")
+    a = skip["anomaly"]
     lines.append(
         f"| + anomaly checkpoint write | {a['checkpoint_write_s']['median'] * 1e3:.1f} ms "
         f"({fmt_bytes(a['checkpoint_bytes'])}) | | |"
     )
     lines.append(f"| + localisation (first skip only) | {a['localize_s'] * 1e3:.1f} ms | | |")
+
     lines += [
         "",
         "| attention, forward + backward | stable | naive | stable vs naive | saved for backward (stable / naive) "
@@ -604,6 +625,7 @@ def table(res: dict) -> str:
             f"{fmt_bytes(s['saved_bytes'])} / {fmt_bytes(n['saved_bytes'])} | "
             f"{fmt_bytes(s['peak_bytes'])} / {fmt_bytes(n['peak_bytes'])} |"
         )
+
     d = res["data"]
     lines += [
         "",
@@ -615,23 +637,21 @@ def table(res: dict) -> str:
         f"({d['data_wait_s'] * 1e3:.2f} ms) |",
         f"| rendering, one process (difficulty {d['render_difficulty']}) | {d['render_images_per_s']:.1f} images/s |",
         "",
-        "targets (not asserted): "
-        + "; ".join(
-            f"{k} {'met' if v['met'] else 'MISSED'} ({v['value']:.3f})" for k, v in res["targets"].items()
-        ),
+        "| target (reported, not asserted) | value | |",
+        "|---|---|---|",
     ]
+    for k, t in res["targets"].items():
+        lines.append(f"| {k} <= {t['target']:g} | {t['value']:.3f} | {'met' if t['met'] else 'MISSED'} |")
     return "\n".join(lines)
 
 
 def targets(res: dict) -> dict:
-    st = res["steps"]
-    every = st["stats_every"]
-    stable = [r["stable"]["ratio"]["median"] for r in res["attention"].values()]
+    """The issue's targets against the medians; stable vs naive takes the worst of its rows."""
     values = {
-        "guard_ratio_max": st["steps"]["guard"]["ratio"]["median"],
-        "stats_ratio_max": st["steps"]["stats overhead"]["ratio"]["median"],
-        "stable_vs_naive_max": max(stable),
-        "data_wait_share_max": res["data"]["data_wait_share"],
+        "guard vs guards off": res["steps"]["guard"]["ratio"]["median"],
+        "statistics vs guard": res["steps"]["stats overhead"]["ratio"]["median"],
+        "stable vs naive attention": max(r["stable"]["ratio"]["median"] for r in res["attention"].values()),
+        "data wait share": res["data"]["data_wait_share"],
     }
     return {k: {"target": TARGETS[k], "value": v, "met": v <= TARGETS[k]} for k, v in values.items()}
 
@@ -655,6 +675,8 @@ def main(argv: list[str] | None = None) -> int:
     base = [*(QUICK if args.quick else []), "trainer.progress=false", *args.overrides]
     if args.cache_dir:
         base.append(f"data.cache_dir={args.cache_dir}")
+    if size["repeats"] < 1 or size["steps"] < 1:
+        p.error("--repeats and --steps must be positive")
     register_configs()
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="wapstable-bench-") as tmp:
@@ -664,9 +686,9 @@ def main(argv: list[str] | None = None) -> int:
             "settings": {"quick": args.quick, **size, "overrides": args.overrides},
             "machine": machine(sb.dev),
         }
-        res["steps"] = bench_steps(sb, size["repeats"])
+        res.update(bench_steps(sb, size["repeats"]))
         log.info("anomaly checkpoint and localisation")
-        res["anomaly"] = bench_anomaly_write(sb, size["repeats"])
+        res["skip"]["anomaly"] = bench_anomaly_write(sb, size["repeats"])
         log.info("attention: stable against naive")
         res["attention"] = bench_attention(sb, size["repeats"], size["micro_s"])
         log.info("data: the default config's loop and the renderer")
