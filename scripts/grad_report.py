@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, LogLocator
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator
 
 from wapstable.gradstats import CSV_NAME, GLOBAL
 
@@ -143,9 +143,13 @@ def draw(runs: list[Run], path: Path, top: int = 8) -> None:
     vmin, vmax = np.percentile(finite, 1), finite.max()  # one colour scale for all runs, so they compare
     top_axes = axes[0]
     for c, run in enumerate(runs):
-        draw_global(top_axes[c], run)
-        if c:
-            top_axes[c].sharey(top_axes[0])
+        group = [
+            r for r in runs if r.norm_type == run.norm_type
+        ]  # one scale for the runs whose norms compare
+        first = runs.index(group[0])
+        if first < c:
+            top_axes[c].sharey(top_axes[first])
+        draw_global(top_axes[c], run, np.concatenate([plotted(r) for r in group]))
         draw_heatmap(fig, axes[1, c], run, vmin, vmax)
         draw_top_layers(axes[2, c], run, top)
     fig.suptitle("gradient statistics (grad_stats.csv)", fontsize=13)
@@ -153,7 +157,13 @@ def draw(runs: list[Run], path: Path, top: int = 8) -> None:
     fig.savefig(path)
 
 
-def draw_global(ax, run: Run) -> None:
+def plotted(run: Run) -> np.ndarray:
+    """The positive finite values a global-norm panel shows: norms and thresholds."""
+    v = np.concatenate([run.norm, run.threshold])
+    return v[np.isfinite(v) & (v > 0)]
+
+
+def draw_global(ax, run: Run, shown: np.ndarray) -> None:
     ok = np.isfinite(run.norm) & (run.norm > 0)
     ax.semilogy(
         run.steps[ok], run.norm[ok], "-", color="tab:blue", lw=1, marker=".", ms=4, label="global norm"
@@ -175,8 +185,11 @@ def draw_global(ax, run: Run) -> None:
         f"{run.label}\nglobal gradient norm before clipping ({_norm_type_name(run.norm_type)})", fontsize=10
     )
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(True, which="both", alpha=0.3)
-    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    decades = math.log10(shown.max() / shown.min()) if len(shown) else 1.0
+    subs = np.arange(1.0, 10.0) if decades < 1.5 else (1.0, 2.0, 5.0) if decades < 4 else (1.0,)
+    ax.yaxis.set_major_locator(LogLocator(subs=subs))  # enough labelled ticks for a narrow range too
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
     ax.legend(fontsize=8, loc="best", framealpha=0.8)

@@ -10,9 +10,10 @@ import torch
 from conftest import ROOT, run_train
 from omegaconf import OmegaConf
 
-from wapstable.config import StatsConfig
+from wapstable.config import ClipConfig, StatsConfig
 from wapstable.errors import UserError
-from wapstable.gradstats import CSV_NAME, GLOBAL, GradStats, validate_stats_config
+from wapstable.gradstats import CSV_NAME, GLOBAL, GradStats, clip_threshold, validate_stats_config
+from wapstable.stability import AutoClipHistory
 
 spec = importlib.util.spec_from_file_location("grad_report", ROOT / "scripts" / "grad_report.py")
 grad_report = importlib.util.module_from_spec(spec)
@@ -100,6 +101,16 @@ def test_every_and_anomalous_steps(tmp_path):
 def test_negative_interval_is_a_user_error():
     with pytest.raises(UserError, match="stats.every"):
         validate_stats_config(OmegaConf.structured(StatsConfig(every=-1)))
+
+
+def test_threshold_in_force():
+    history = AutoClipHistory(10)
+    for x in (1.0, 2.0, 3.0, 4.0, 5.0):
+        history.append(torch.tensor(x))
+    clip = lambda **kw: OmegaConf.structured(ClipConfig(**kw))  # noqa: E731
+    assert clip_threshold(clip(mode="norm", max_norm=8.0), history, scale=0.5) == 4.0  # after a rollback
+    assert clip_threshold(clip(mode="autoclip", percentile=50.0), history) == 3.0
+    assert clip_threshold(clip(mode="value"), history) is None
 
 
 def test_suggested_threshold_clips_the_complementary_share():

@@ -226,7 +226,7 @@ class Trainer:
         self.stats = GradStats(  # grad_stats.csv, histograms, attention images
             cfg.stats,
             self.run_dir if self.dist.is_main else None,  # only the main rank writes statistics
-            threshold=lambda: clip_threshold(self.cfg.clip, self.history),
+            threshold=lambda: clip_threshold(self.cfg.clip, self.history, self.rollback.clip_scale),
             norm_type=self.norm_type,
         )
 
