@@ -238,32 +238,28 @@ class StepBench:
 
         return run
 
-    def bare_block(self) -> Callable[[], float]:
-        """A loop with nothing but forward, backward and the optimizer: no norm, no flag, no sync, no copies."""
-        t = self.trainers["off"]
+    def bare_steps(self, t: Trainer) -> None:
+        """`t`'s model and optimizer in a loop with nothing else: no norm, no flag, no sync, no copies."""
+        for batch in self.batches:
+            t.optimizer.zero_grad(set_to_none=True)
+            forward_loss(t.model, batch, None, 0, t.cfg.trainer.precision).backward()
+            t.optimizer.step()
+            t.scheduler.step()
 
-        def steps() -> None:
-            for batch in self.batches:
-                t.optimizer.zero_grad(set_to_none=True)
-                forward_loss(t.model, batch, None, 0, t.cfg.trainer.precision).backward()
-                t.optimizer.step()
-                t.scheduler.step()
-
+    def bare_block(self, t: Trainer) -> Callable[[], float]:
         def run() -> float:
             self.reset(t)
-            return self.dev.timed(steps)
+            return self.dev.timed(lambda: self.bare_steps(t))
 
         return run
 
     def syncs_per_step(self, t: Trainer, bare: bool = False) -> float:
         """Host syncs per training step of `t` (CUDA only: on the CPU there is no device to wait for)."""
+        self.reset(t)
+        self.dev.sync()
         counter: list[int] = []
-        with count_syncs(counter):
-            if bare:
-                self.bare_block()()
-            else:
-                self.reset(t)
-                self.run_steps(t)
+        with count_syncs(counter):  # no explicit synchronize inside: only the steps' own syncs count
+            (self.bare_steps if bare else self.run_steps)(t)
         self.dev.sync()
         return counter[0] / len(self.batches)
 
@@ -281,7 +277,7 @@ def bench_steps(sb: StepBench, repeats: int) -> dict:
     clip_trainer = {m: sb.trainers["guard" if m == clip_default else f"clip={m}"] for m in CLIP_MODES}
 
     blocks = {name: sb.block(t) for name, t in sb.trainers.items()}
-    blocks["bare"] = sb.bare_block()
+    blocks["bare"] = sb.bare_block(sb.trainers["off"])
     log.info("training steps: %d variants x %d repeats of %d steps", len(blocks), repeats, len(sb.batches))
     times = {k: [t / len(sb.batches) for t in v] for k, v in interleave(blocks, repeats).items()}
 
@@ -683,7 +679,12 @@ def main(argv: list[str] | None = None) -> int:
         log.info("building the trainers (the first run renders the synthetic data once)")
         sb = StepBench(base, size["steps"], Path(tmp))
         res = {
-            "settings": {"quick": args.quick, **size, "overrides": args.overrides},
+            "settings": {
+                "quick": args.quick,
+                **size,
+                "overrides": args.overrides,
+                "threads": torch.get_num_threads(),
+            },
             "machine": machine(sb.dev),
         }
         res.update(bench_steps(sb, size["repeats"]))
