@@ -124,8 +124,12 @@ def test_coverage_attention_shapes_and_mask():
     torch.testing.assert_close(alpha.sum((1, 2)), torch.ones(3))
     assert (alpha[mask == 0] == 0).all()
     torch.testing.assert_close(context, torch.einsum("bl,blc->bc", alpha.flatten(1), features))
-    # The NaN localiser looks for this op under this module: the exp must stay inside its forward.
-    assert "ExpBackward0" in graph_ops(alpha)
+    # The stable form runs torch's fused softmax (max subtracted inside); the naive one keeps the original exp,
+    # which the NaN localiser names under this module when it overflows.
+    assert "SoftmaxBackward0" in graph_ops(alpha) and "ExpBackward0" not in graph_ops(alpha)
+    att.stable = False
+    _, naive = att(query, features, att.project_features(features), mask, torch.rand(3, 4, 6) * mask)
+    assert "ExpBackward0" in graph_ops(naive)
 
 
 def test_coverage_kernel_must_be_odd():

@@ -24,18 +24,11 @@ def masked_softmax(energy: Tensor, mask: Tensor, stable: bool = True, dim: int =
     # under autocast runs in float32 too; the result is cast back so callers see their own dtype.
     x = energy.float() if energy.dtype in (torch.float16, torch.bfloat16) else energy
     valid = mask.bool()
-    # Fill with the dtype's min, not -inf: the anomaly localiser flags any non-finite op output, and a fully
-    # masked row would make the max -inf and then (-inf) - (-inf) = NaN. The max is a constant shift of the
-    # softmax, so its gradient is exactly 0: detach it rather than route a zero gradient through amax.
-    m = x.detach().masked_fill(~valid, torch.finfo(x.dtype).min).amax(dim, keepdim=True)
-    m = m.masked_fill(~valid.any(dim, keepdim=True), 0.0)
-    # Padding is zeroed before exp as well as after: a large energy at a padded position would overflow to inf,
-    # and inf * 0 = NaN is the very failure this function exists to avoid.
-    e = torch.exp((x - m).masked_fill(~valid, 0.0)) * valid.to(x.dtype)
-    # The argmax position contributes exp(0) = 1, so a row with any valid position sums to >= 1 and the floor only
-    # acts on fully masked rows (0 / floor = 0). A floor near finfo.tiny would let grad / sum overflow to inf in
-    # backward, and inf * 0 = NaN in exp's backward: 1e-6 keeps it finite.
-    alpha = e / e.sum(dim, keepdim=True).clamp_min(1e-6)
+    # torch.softmax subtracts the row maximum before exp (the log-sum-exp trick) in one fused kernel, which is as
+    # fast as the naive formula. Padding is filled with the dtype's min, not -inf: a fully masked row then gives a
+    # finite uniform row (not (-inf) - (-inf) = NaN), which the mask turns into zeros; with any valid position,
+    # exp(min - max) underflows to exactly 0, so the max is the one over valid positions.
+    alpha = torch.softmax(x.masked_fill(~valid, torch.finfo(x.dtype).min), dim) * valid.to(x.dtype)
     return alpha.to(energy.dtype)
 
 
