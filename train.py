@@ -54,4 +54,15 @@ if __name__ == "__main__":
         from wapstable.distributed import torchrun_argv
 
         sys.argv = torchrun_argv(sys.argv)
+        # gloo's threads can abort the interpreter's teardown after a finished run ("terminate called without an
+        # active exception", torch 2.14): flush, then leave with the run's own exit status.
+        try:
+            main()
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     main()

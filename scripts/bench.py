@@ -46,31 +46,14 @@ import torch  # noqa: E402
 
 from wapstable.attention import CoverageAttention, masked_softmax  # noqa: E402
 from wapstable.checkpoint import rng_state  # noqa: E402
-from wapstable.config import quote_group_options, register_configs  # noqa: E402
+from wapstable.config import TINY_OVERRIDES, quote_group_options, register_configs  # noqa: E402
 from wapstable.stability.clipping import AutoClipHistory  # noqa: E402
 from wapstable.synthetic import generate_expressions, render  # noqa: E402
 from wapstable.trainer import Trainer, forward_loss  # noqa: E402
 
 log = logging.getLogger("wapstable.bench")
 
-# Tiny settings (as the tests' TINY): the whole --quick run takes seconds even on a busy CPU.
-QUICK = [
-    "data.num_train=48",
-    "data.num_valid=8",
-    "data.num_test=8",
-    "data.difficulty=1",
-    "data.render_workers=1",
-    "data.max_batch=8",
-    "model.channels=[4,8,8,8]",
-    "model.convs_per_block=1",
-    "model.embed_dim=8",
-    "model.hidden_dim=16",
-    "model.attention.dim=8",
-    "model.attention.coverage_channels=4",
-    "model.attention.coverage_kernel=3",
-    "trainer.threads=1",
-    "decode.max_len=12",
-]
+QUICK = TINY_OVERRIDES  # the whole --quick run takes seconds even on a busy CPU
 
 # Variants of the training step, as config overrides on top of the base config (the command line's).
 # "guards off" turns off every guard the config can turn off; what the trainer does regardless (the total norm,

@@ -8,32 +8,18 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from wapstable.config import quote_group_options, register_configs
+from wapstable.config import TINY_OVERRIDES, quote_group_options, register_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
 
 # Tiny settings that keep a real run of train.py to seconds on a CPU.
 TINY = [
-    "data.num_train=48",
-    "data.num_valid=8",
-    "data.num_test=8",
-    "data.difficulty=1",
-    "data.render_workers=1",
-    "data.max_batch=8",
-    "model.channels=[4,8,8,8]",
-    "model.convs_per_block=1",
-    "model.embed_dim=8",
-    "model.hidden_dim=16",
-    "model.attention.dim=8",
-    "model.attention.coverage_channels=4",
-    "model.attention.coverage_kernel=3",
+    *TINY_OVERRIDES,
     "trainer.max_steps=3",
     "trainer.eval_every=3",
     "trainer.checkpoint_every=3",
     "trainer.progress=false",
-    "trainer.threads=1",
-    "decode.max_len=12",
 ]
 
 

@@ -129,11 +129,11 @@ def test_diverged_replicas_stop_the_run(tmp_path, cache_dir):
     assert not (run / "metrics.json").exists()
 
 
-def _collectives_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def _collectives_worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
     """One of two gloo processes: the consistency check, the per-rank gradient flag, the broadcast."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     d = Dist(rank, world)
     out = {}
     torch.manual_seed(0)
@@ -171,12 +171,21 @@ def _collectives_worker(rank: int, world: int, init_file: str, out_dir: str) -> 
     out["agree"] = d.agree(rank == 1)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
+    del ddp  # its reducer must go before the group it talks through
+    dist.barrier()
     dist.destroy_process_group()
+    # gloo's threads can abort the interpreter's own teardown ("terminate called without an active exception",
+    # torch 2.14): the results are written, so leave without it, as train.py does under torchrun.
+    os._exit(0)
 
 
 def test_collectives_find_mismatches_and_the_rank_that_saw_nan(tmp_path):
     torch.multiprocessing.spawn(
-        _collectives_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True
+        # TCP rendezvous on loopback: a file store can abort a rank that tears down while the other still reads it
+        _collectives_worker,
+        args=(2, f"tcp://127.0.0.1:{free_port()}", str(tmp_path)),
+        nprocs=2,
+        join=True,
     )
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in results:

@@ -173,6 +173,26 @@ class Config:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+# Tiny data and model for smoke runs (the tests, `scripts/bench.py --quick`): a run of train.py takes seconds.
+TINY_OVERRIDES = [
+    "data.num_train=48",
+    "data.num_valid=8",
+    "data.num_test=8",
+    "data.difficulty=1",
+    "data.render_workers=1",
+    "data.max_batch=8",
+    "model.channels=[4,8,8,8]",
+    "model.convs_per_block=1",
+    "model.embed_dim=8",
+    "model.hidden_dim=16",
+    "model.attention.dim=8",
+    "model.attention.coverage_channels=4",
+    "model.attention.coverage_kernel=3",
+    "trainer.threads=1",
+    "decode.max_len=12",
+]
+
+
 def quote_group_options(args: list[str]) -> list[str]:
     """Quote `inf` where it names a `clip` option: Hydra's override grammar reads a bare `inf` as a float, and
     `clip=inf` would fail with "Config group override must be a string"."""

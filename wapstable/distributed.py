@@ -8,6 +8,7 @@ takes the same decision at every step, or the replicas drift apart silently:
 - drift: every `trainer.consistency_every` steps the ranks compare an exact checksum of their weights.
 """
 
+import contextlib
 import logging
 import os
 import sys
@@ -164,6 +165,10 @@ class Dist:
 
     def cleanup(self) -> None:
         if self.enabled and dist.is_initialized():
+            # Every rank reaches the end before the group goes: a rank tearing gloo down while another still
+            # talks to it can abort the process ("terminate called without an active exception").
+            with contextlib.suppress(RuntimeError):
+                dist.barrier()
             dist.destroy_process_group()
 
 
