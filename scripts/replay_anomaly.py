@@ -22,6 +22,7 @@ import yaml  # noqa: E402
 from wapstable.checkpoint import load_checkpoint  # noqa: E402
 from wapstable.errors import UserError  # noqa: E402
 from wapstable.stability.replay import replay, summarize  # noqa: E402
+from wapstable.trainer import strict  # noqa: E402
 
 
 def parse_overrides(items: list[str]) -> dict:
@@ -134,7 +135,11 @@ def main(argv=None) -> int:
             f"error: replaying {args.path} failed (see above); this is a bug, not a verdict", file=sys.stderr
         )
         return 3
-    print(json.dumps(report, indent=2) if args.json else render(args.path, state, report))
+    print(
+        json.dumps(strict(report), indent=2, allow_nan=False)
+        if args.json
+        else render(args.path, state, report)
+    )
     return 1 if report["reproduced"] else 0
 
 

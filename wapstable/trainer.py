@@ -723,9 +723,21 @@ class Trainer:
         return metrics
 
 
+def strict(x):
+    """NaN and Inf as the strings "nan", "inf", "-inf": strict JSON (jq, browsers) has no such numbers."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: strict(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [strict(v) for v in x]
+    return x
+
+
 def write_json(path: Path, data: dict) -> None:
+    """Write strict JSON atomically (temporary file, then rename)."""
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
+    tmp.write_text(json.dumps(strict(data), indent=2, default=str, allow_nan=False))
     os.replace(tmp, path)
 
 
