@@ -30,6 +30,7 @@ from .stability.clipping import (
     AutoClipHistory,
     clip_gradients_,
     clip_options,
+    grad_norm,
     mode_norm_type,
     scaled_threshold,
     validate_clip_config,
@@ -298,8 +299,7 @@ class Trainer:
         self.scaler.scale(loss).backward()
         self.scaler.unscale_(self.optimizer)
         params = list(self.model.parameters())
-        grads = [p.grad for p in params if p.grad is not None]
-        total_norm = torch.nn.utils.get_total_norm(grads, norm_type=self.norm_type)
+        total_norm = grad_norm(params, self.norm_type)
         bad = self.dist.any(nonfinite_flag(loss, total_norm))  # all ranks take the same decision
         loss_value, norm_value, bad_value = torch.stack(
             [loss.detach().float(), total_norm.float(), bad.float()]
@@ -375,7 +375,7 @@ class Trainer:
         if not scaler_skip and self.budget.exhausted():
             reason = self.budget.exhausted()
             if self.counters["anomaly_checkpoints"] == 0 or not cfg.guard.checkpoint_on_anomaly:
-                self.write_anomaly(batch, out, rng_before, force=True)
+                self.write_anomaly(batch, out, rng_before)
             if self.rollback.can_roll_back() and self.roll_back(reason):
                 return
             if self.rollback.events:
@@ -446,16 +446,14 @@ class Trainer:
             self.writer.add_text("guard/rollbacks", json.dumps(event), self.step)
         return True
 
-    def write_anomaly(self, batch, out: dict, rng_before: dict, force: bool = False) -> Path | None:
+    def write_anomaly(self, batch, out: dict, rng_before: dict) -> Path | None:
         """anomalies/step-N.pt: the state before the step, its RNG, the offending batch and per-layer figures."""
-        per_layer_norm, per_layer_bad = {}, {}
-        for name, p in self.model.named_parameters():
-            if p.grad is not None:
-                g = p.grad.detach().float()
-                per_layer_norm[name] = float(g.norm())
-                bad = int((~torch.isfinite(g)).sum())
-                if bad:
-                    per_layer_bad[name] = bad
+        per_layer_norm = {
+            name: float(p.grad.detach().float().norm())
+            for name, p in self.model.named_parameters()
+            if p.grad is not None
+        }
+        _, per_layer_bad = count_nonfinite_grads(self.model.named_parameters())
         record = {
             "step": self.step,
             "reason": out["reason"],
