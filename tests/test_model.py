@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from wapstable.attention import CoverageAttention
+from wapstable.attention import CoverageAttention, grid_positions
 from wapstable.config import AttentionConfig, ModelConfig
 from wapstable.model import build_model
 
@@ -90,9 +90,14 @@ def test_shapes_with_ragged_odd_sizes(watcher):
 
 @pytest.mark.parametrize("watcher", ["vgg", "dense"])
 @pytest.mark.parametrize("size", [(13, 29), (16, 32), (9, 19)])
-def test_padding_does_not_change_the_output(watcher, size):
+@pytest.mark.parametrize("positions", [0, 8])
+def test_padding_does_not_change_the_output(watcher, size, positions):
     torch.manual_seed(0)
-    model = build_model(tiny_cfg(watcher), V)
+    cfg = tiny_cfg(watcher)
+    cfg.attention.position_features = (
+        positions  # positions count from the top-left cell, as padding leaves it
+    )
+    model = build_model(cfg, V)
     randomise_batchnorm(model)
     model.eval()
     small, big = torch.rand(*size), torch.rand(23, 47)
@@ -103,10 +108,14 @@ def test_padding_does_not_change_the_output(watcher, size):
     torch.testing.assert_close(batched[:1], alone, atol=1e-5, rtol=1e-5)
 
 
-def test_step_reproduces_teacher_forcing():
-    # Greedy decoding must see the same math the model was trained with.
+@pytest.mark.parametrize("positions", [0, 8])
+def test_step_reproduces_teacher_forcing(positions):
+    # Greedy decoding must see the same math the model was trained with: step() runs the readout per token,
+    # teacher forcing runs it once over all tokens after the recurrence.
     torch.manual_seed(0)
-    model = build_model(tiny_cfg("vgg"), V).eval()
+    cfg = tiny_cfg("vgg")
+    cfg.attention.position_features = positions
+    model = build_model(cfg, V).eval()
     x, mask = pad_batch([torch.rand(17, 30), torch.rand(12, 41)])
     y, tmask = targets(2, 5)
     with torch.no_grad():
@@ -179,3 +188,27 @@ def test_attention_overflow_fault_end_to_end(stable):
     loss.backward()
     finite = all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     assert finite == stable
+
+
+def test_grid_positions_tell_every_cell_apart():
+    pos = grid_positions(5, 40, 32)  # (h*w, C): 5 rows, 40 columns, as a wide expression at stride 16
+    assert pos.shape == (200, 32) and torch.isfinite(pos).all() and pos.abs().max() <= 1
+    assert torch.cdist(pos, pos).add(torch.eye(200) * 9).min() > 0.05  # no two cells share a code
+    # the row half depends on the row only, the column half on the column only
+    grid = pos.view(5, 40, 32)
+    assert torch.equal(grid[:, :1, :16].expand(5, 40, 16), grid[..., :16])
+    assert torch.equal(grid[:1, :, 16:].expand(5, 40, 16), grid[..., 16:])
+    with pytest.raises(ValueError, match="position_features"):
+        build_model(tiny_cfg("vgg", attention=AttentionConfig(dim=10, position_features=6)), V)
+
+
+def test_position_features_reach_the_attention():
+    # With positions on, two identical columns of features get different attention energies.
+    torch.manual_seed(0)
+    att = CoverageAttention(8, 4, 6, 3, 3, position_features=8)
+    features = torch.ones(1, 6, 4)  # (B, L, C): every cell holds the same annotation
+    mask, coverage = torch.ones(1, 2, 3), torch.zeros(1, 2, 3)
+    _, alpha = att(torch.rand(1, 8), features, att.project_features(features, (2, 3)), mask, coverage)
+    assert alpha.flatten().std() > 1e-4
+    with pytest.raises(ValueError, match="grid"):
+        att.project_features(features)

@@ -5,9 +5,28 @@ e = 92 already overflows float32 (limit about e^88.7; float16 about e^11.1), and
 `masked_softmax(stable=True)` subtracts the per-row max over valid positions first (softmax is shift-invariant).
 """
 
+import math
+
 import torch
 import torch.nn as nn
 from torch import Tensor
+
+
+def grid_positions(h: int, w: int, channels: int, device=None, dtype=torch.float32) -> Tensor:
+    """2-D sinusoidal features of an h x w grid, (h*w, channels): half for the row, half for the column.
+
+    Frequencies fall geometrically from 1 to about 1/100 cycles per cell, so neighbouring cells differ and a wide
+    expression's left and right ends do too. Positions count from the top-left cell, where every image starts.
+    """
+    if channels % 4:
+        raise ValueError(f"model.attention.position_features must be a multiple of 4 (got {channels})")
+    n = channels // 4
+    freq = torch.exp(torch.arange(n, device=device, dtype=torch.float32) * (-math.log(100.0) / max(n - 1, 1)))
+    ys = torch.arange(h, device=device, dtype=torch.float32)[:, None] * freq  # (h, n)
+    xs = torch.arange(w, device=device, dtype=torch.float32)[:, None] * freq  # (w, n)
+    row = torch.cat([ys.sin(), ys.cos()], -1)[:, None].expand(h, w, 2 * n)
+    col = torch.cat([xs.sin(), xs.cos()], -1)[None].expand(h, w, 2 * n)
+    return torch.cat([row, col], -1).reshape(h * w, channels).to(dtype)
 
 
 def masked_softmax(energy: Tensor, mask: Tensor, stable: bool = True, dim: int = -1) -> Tensor:
@@ -46,6 +65,7 @@ class CoverageAttention(nn.Module):
         coverage_channels: int,
         coverage_kernel: int,
         stable: bool = True,
+        position_features: int = 0,
     ):
         super().__init__()
         if coverage_kernel % 2 != 1:
@@ -54,6 +74,10 @@ class CoverageAttention(nn.Module):
                 "keeps the feature map's size"
             )
         self.feat_proj = nn.Linear(feat_dim, dim)  # U (with the one bias of the sum)
+        self.position_features = position_features
+        if position_features:
+            grid_positions(1, 1, position_features)  # a bad size fails here, at build time
+            self.pos_proj = nn.Linear(position_features, dim, bias=False)  # P
         self.query_proj = nn.Linear(query_dim, dim, bias=False)  # W
         k = coverage_kernel
         self.coverage_conv = nn.Conv2d(1, coverage_channels, k, padding=k // 2)  # Q
@@ -64,9 +88,16 @@ class CoverageAttention(nn.Module):
         # Fault-injection hook: 1e4 makes the naive softmax overflow, reproducing seed 000 end to end.
         self.energy_scale = 1.0
 
-    def project_features(self, features: Tensor) -> Tensor:
-        """U a_i for every position, once per image rather than once per decoding step: (B, L, C) -> (B, L, A)."""
-        return self.feat_proj(features)
+    def project_features(self, features: Tensor, grid: tuple[int, int] | None = None) -> Tensor:
+        """U a_i (+ P pos_i) for every position, once per image rather than once per decoding step:
+        (B, L, C) -> (B, L, A); `grid` = (h, w) with L = h*w, needed when position features are on."""
+        proj = self.feat_proj(features)
+        if self.position_features:
+            if grid is None:
+                raise ValueError("project_features needs the grid (h, w) when position features are on")
+            pos = grid_positions(*grid, self.position_features, features.device, proj.dtype)
+            proj = proj + self.pos_proj(pos)
+        return proj
 
     def forward(
         self, query: Tensor, features: Tensor, proj: Tensor, mask: Tensor, coverage: Tensor
@@ -78,6 +109,8 @@ class CoverageAttention(nn.Module):
         cov = self.coverage_proj(cov.flatten(2).transpose(1, 2))  # (B, L, A)
         energy = self.v(torch.tanh(proj + self.query_proj(query).unsqueeze(1) + cov)).squeeze(-1)  # (B, L)
         # (B, L); the exp stays in this module's forward so the NaN localiser names it (and ExpBackward0).
-        alpha = masked_softmax(energy * self.energy_scale, mask.reshape(B, h * w), stable=self.stable)
+        if self.energy_scale != 1.0:
+            energy = energy * self.energy_scale
+        alpha = masked_softmax(energy, mask.reshape(B, h * w), stable=self.stable)
         context = torch.bmm(alpha.unsqueeze(1).to(features.dtype), features).squeeze(1)  # (B, C)
         return context, alpha.view(B, h, w)

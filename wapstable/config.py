@@ -15,6 +15,9 @@ class AttentionConfig:
     coverage_channels: int = 32  # channels of the coverage conv over the summed past alphas
     coverage_kernel: int = 5  # VGG WAP: 5x5, DenseWAP: 11x11
     stable: bool = True  # subtract the per-sample max before exp; false = the original naive formula
+    # 2-D sinusoidal positions of the annotation grid added to the attention keys (U a_i + P pos_i); 0 = off
+    # (WAP as published). The parser then knows where each annotation is, not only what it holds.
+    position_features: int = 0
 
 
 @dataclass

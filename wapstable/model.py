@@ -165,7 +165,13 @@ class Parser(nn.Module):
         self.init_h = nn.Linear(feat_dim, H)
         self.gru1 = nn.GRUCell(E, H)
         self.attention = CoverageAttention(
-            H, feat_dim, A.dim, A.coverage_channels, A.coverage_kernel, A.stable
+            H,
+            feat_dim,
+            A.dim,
+            A.coverage_channels,
+            A.coverage_kernel,
+            A.stable,
+            getattr(A, "position_features", 0),  # absent from older checkpoints' configs
         )
         self.gru2 = nn.GRUCell(feat_dim, H)
         # WAP's readout is Linear(h) + Linear(emb) + Linear(context): one Linear over the concatenation is the same.
@@ -184,20 +190,32 @@ class Parser(nn.Module):
             # At least float32: under bf16 autocast 1.0 + 0.003 rounds back to 1.0 and coverage would stop growing.
             coverage=features.new_zeros(B, h, w, dtype=torch.promote_types(features.dtype, torch.float32)),
             features=flat,
-            proj=self.attention.project_features(flat),
+            proj=self.attention.project_features(flat, (h, w)),
             mask=feat_mask.to(features.dtype),
         )
 
-    def step(self, state: DecoderState, emb: Tensor) -> tuple[Tensor, DecoderState, Tensor]:
-        """One decoding step from the previous token's embedding (B, E): logits (B, V), new state, alpha (B, h, w)."""
+    def recur(self, state: DecoderState, emb: Tensor) -> tuple[Tensor, Tensor, DecoderState, Tensor]:
+        """The recurrent half of a step: h_t, context (B, C), the new state and alpha (B, h, w)."""
         h_tilde = self.gru1(emb, state.h)  # (B, H)
         context, alpha = self.attention(h_tilde, state.features, state.proj, state.mask, state.coverage)
         h = self.gru2(context, h_tilde)  # (B, H)
-        r = self.readout(torch.cat([h, emb, context], -1))  # (B, E)
-        r = r.view(*r.shape[:-1], -1, 2).amax(-1)  # (B, E/2) maxout over pairs, WAP's readout
-        logits = self.out(self.drop(r))
-        new = DecoderState(h, state.coverage + alpha, state.features, state.proj, state.mask)
-        return logits, new, alpha
+        return (
+            h,
+            context,
+            DecoderState(h, state.coverage + alpha, state.features, state.proj, state.mask),
+            alpha,
+        )
+
+    def readout_logits(self, h: Tensor, emb: Tensor, context: Tensor) -> Tensor:
+        """WAP's maxout readout, for one step (B, .) or for all steps at once (B, T, .): logits (..., V)."""
+        r = self.readout(torch.cat([h, emb, context], -1))  # (..., E)
+        r = r.view(*r.shape[:-1], -1, 2).amax(-1)  # (..., E/2) maxout over pairs, WAP's readout
+        return self.out(self.drop(r))
+
+    def step(self, state: DecoderState, emb: Tensor) -> tuple[Tensor, DecoderState, Tensor]:
+        """One decoding step from the previous token's embedding (B, E): logits (B, V), new state, alpha (B, h, w)."""
+        h, context, new, alpha = self.recur(state, emb)
+        return self.readout_logits(h, emb, context), new, alpha
 
 
 class WAP(nn.Module):
@@ -244,11 +262,14 @@ class WAP(nn.Module):
         state = self.init_state(features, feat_mask)
         start = targets.new_full((targets.size(0), 1), self.start_index)
         emb = self.parser.embed(torch.cat([start, targets[:, :-1]], 1))  # (B, T, E)
-        logits = []
+        hs, contexts = [], []
         for t in range(targets.size(1)):
-            logit, state, _ = self.parser.step(state, emb[:, t])
-            logits.append(logit)
-        return torch.stack(logits, 1)
+            h, context, state, _ = self.parser.recur(state, emb[:, t])
+            hs.append(h)
+            contexts.append(context)
+        # The readout feeds nothing back into the recurrence, so teacher forcing runs it once over all steps:
+        # the same logits as step() gives, with a third fewer ops in the per-token loop.
+        return self.parser.readout_logits(torch.stack(hs, 1), emb, torch.stack(contexts, 1))
 
 
 def build_model(cfg_model, vocab_size: int) -> WAP:
