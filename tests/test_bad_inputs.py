@@ -83,8 +83,24 @@ def train_into(run, cache_dir, *args):
         (["clip.max_norm=-1"], 2, ["error: clip.max_norm=-1.0 must be positive for clip=norm"]),
         (["clip=value", "clip.value=0"], 2, ["error: clip.value=0.0 must be positive for clip=value"]),
         (["trainer.max_steps=0"], 2, ["error: trainer.max_steps=0 must be a positive number of steps"]),
+        (["data.bucket_by=width"], 2, ["error: data.bucket_by='width' is unknown; use size"]),
+        (["model.block_convs=[1,2]"], 2, ["error: model.block_convs=[1, 2] must give one count"]),
+        (
+            ["model.attention.position_features=6"],
+            2,
+            ["model.attention.position_features must be a multiple"],
+        ),
     ],
-    ids=["unknown-option", "wrong-type", "negative-clip", "zero-clip", "zero-steps"],
+    ids=[
+        "unknown-option",
+        "wrong-type",
+        "negative-clip",
+        "zero-clip",
+        "zero-steps",
+        "bucket",
+        "block-convs",
+        "positions",
+    ],
 )
 def test_bad_config(run_dir, cache_dir, args, code, messages):
     before = files(run_dir)

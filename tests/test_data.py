@@ -42,6 +42,35 @@ def test_batches_respect_budget_and_cover_everything():
     assert sizes == sorted(sizes)  # sorted by size, as WAP does
 
 
+def test_token_buckets_cut_decoding_steps():
+    # Labels of 1..12 tokens whose length is unrelated to the image size: sorting by size mixes lengths.
+    rng = np.random.default_rng(1)
+    data = [
+        Sample(
+            f"s{i}",
+            np.full((int(rng.integers(10, 40)), int(rng.integers(20, 120))), 255, np.uint8),
+            ["x"] * n,
+        )
+        for i, n in enumerate(rng.integers(1, 13, 60))
+    ]
+
+    def decoder_steps(batches):  # the parser runs max(label length) + 1 times per batch
+        return sum(max(len(data[i].tokens) for i in b) + 1 for b in batches)
+
+    by_size = make_batches(data, pixel_budget=20000, max_batch=6)
+    by_tokens = make_batches(data, pixel_budget=20000, max_batch=6, bucket_by="tokens")
+    assert sorted(i for b in by_tokens for i in b) == list(range(len(data)))
+    for b in by_tokens:
+        h = max(data[i].image.shape[0] for i in b)
+        w = max(data[i].image.shape[1] for i in b)
+        assert len(b) <= 6 and (len(b) == 1 or h * w * len(b) <= 20000)
+    lengths = [len(data[b[0]].tokens) for b in by_tokens]
+    assert lengths == sorted(lengths)
+    assert decoder_steps(by_tokens) < 0.8 * decoder_steps(by_size)
+    with pytest.raises(ValueError, match="data.bucket_by"):
+        make_batches(data, 20000, 6, bucket_by="width")
+
+
 def test_collate_pads_with_masks():
     data = samples(3)
     vocab = Vocab.build(s.tokens for s in data)

@@ -166,7 +166,15 @@ def test_paper_sizes():
     assert features.shape == (1, 684, 3, 3) and feat_mask.shape == (1, 3, 3)
 
 
+def test_block_convs_set_each_blocks_depth():
+    model = build_model(tiny_cfg("vgg", block_convs=[1, 3]), V)
+    assert [len(block) for block in model.watcher.blocks] == [1, 3] and model.watcher.stride == 4
+    assert [len(block) for block in build_model(tiny_cfg("vgg"), V).watcher.blocks] == [2, 2]
+
+
 def test_bad_config_names_the_key():
+    with pytest.raises(ValueError, match="model.block_convs"):
+        build_model(tiny_cfg("vgg", block_convs=[1, 2, 3]), V)
     with pytest.raises(ValueError, match="model.watcher"):
         build_model(tiny_cfg("resnet"), V)
     with pytest.raises(ValueError, match="model.embed_dim"):
@@ -212,3 +220,34 @@ def test_position_features_reach_the_attention():
     assert alpha.flatten().std() > 1e-4
     with pytest.raises(ValueError, match="grid"):
         att.project_features(features)
+
+
+def test_counting_head_counts_symbols_and_trains_the_watcher():
+    from wapstable.data import Batch
+    from wapstable.trainer import counting_loss, forward_loss
+
+    torch.manual_seed(0)
+    y = torch.tensor([[3, 3, 5, 0, 0], [4, 0, 0, 0, 0]])
+    tmask = torch.tensor([[1.0, 1, 1, 1, 0], [1, 1, 0, 0, 0]])
+    truth = torch.zeros(2, V)
+    truth[0, 3], truth[0, 5], truth[1, 4] = 2, 1, 1
+    assert counting_loss(truth.clone(), y, tmask) == 0  # <eol> and padding are not counted
+    assert counting_loss(truth + 0.5, y, tmask) > 0
+
+    model = build_model(tiny_cfg("vgg", counting=0.5), V)
+    plain = build_model(tiny_cfg("vgg"), V)
+    assert plain.counter is None and "counter.weight" in model.output_layer_names()
+    x, mask = pad_batch([torch.rand(17, 30), torch.rand(12, 41)])
+    logits, counts = model(x, mask, y, tmask, with_counts=True)
+    assert counts.shape == (2, V) and (counts >= 0).all()
+    torch.testing.assert_close(logits, model(x, mask, y, tmask))  # decoding never sees the head
+    batch = Batch(x, mask, y, tmask, ["a", "b"])
+    loss = forward_loss(model, batch)
+    expected = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
+    expected = (expected.view_as(tmask) * tmask).sum() / 2 + 0.5 * counting_loss(counts, y, tmask)
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    assert model.counter.weight.grad.abs().sum() > 0
+    assert model.watcher.blocks[0][0][0].weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="model.counting"):
+        build_model(tiny_cfg("vgg", counting=-1.0), V)

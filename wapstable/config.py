@@ -27,6 +27,7 @@ class ModelConfig:
     # VGG-FCN watcher: len(channels) blocks of `convs_per_block` conv3x3 + BN + ReLU, then 2x2 max-pool.
     channels: list[int] = field(default_factory=lambda: [16, 32, 48, 64])
     convs_per_block: int = 2
+    block_convs: list[int] = field(default_factory=list)  # convs in each block; empty = convs_per_block each
     # DenseNet watcher (DenseWAP): conv7x7/2 + max-pool, dense blocks of bottleneck layers, transitions.
     dense_init_channels: int = 48
     dense_growth: int = 24
@@ -36,6 +37,10 @@ class ModelConfig:
     embed_dim: int = 64
     hidden_dim: int = 128
     dropout: float = 0.0
+    # Weight of an auxiliary symbol-counting loss on the watcher's features, as in CAN (Li et al. 2022): a 1x1 conv
+    # maps each annotation to per-symbol densities whose sum over the image is regressed on the label's symbol
+    # counts. It teaches the watcher to find every symbol from the first step; decoding does not use it. 0 = off.
+    counting: float = 0.0
     attention: AttentionConfig = field(default_factory=AttentionConfig)
 
 
@@ -62,7 +67,8 @@ class DataConfig:
     height: int = 64  # rasterised InkML height in pixels
     line_width: int = 2
     on_error: str = "fail"  # fail | skip
-    # batching as in WAP: sort by size, fill under a pixel budget
+    # batching as in WAP: sort, fill under a pixel budget; sort by image size (WAP) or by label length (tokens)
+    bucket_by: str = "size"
     pixel_budget: int = 120000
     max_batch: int = 16
     max_image_pixels: int = 120000  # larger images are dropped, as WAP does

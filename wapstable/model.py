@@ -33,13 +33,19 @@ def _masked_avg_pool(x: Tensor, mask: Tensor) -> Tensor:
 class VGGWatcher(nn.Module):
     """WAP's VGG-FCN watcher: blocks of conv3x3 + BN + ReLU, a 2x2 max-pool after each block."""
 
-    def __init__(self, channels: list[int], convs_per_block: int):
+    def __init__(self, channels: list[int], convs_per_block: int | list[int]):
         super().__init__()
+        per_block = [convs_per_block] * len(channels) if isinstance(convs_per_block, int) else convs_per_block
+        if len(per_block) != len(channels) or min(per_block, default=1) < 1:
+            raise ValueError(
+                f"model.block_convs={list(per_block)} must give one count of at least 1 per block of "
+                f"model.channels={list(channels)}"
+            )
         self.blocks = nn.ModuleList()
         cin = 1
-        for cout in channels:
+        for cout, n in zip(channels, per_block):
             layers = nn.ModuleList()
-            for _ in range(convs_per_block):
+            for _ in range(n):
                 # No conv bias: the BN right after has its own.
                 layers.append(
                     nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout))
@@ -223,16 +229,24 @@ class WAP(nn.Module):
 
     select_state = staticmethod(select_state)
 
-    def __init__(self, watcher: nn.Module, parser: Parser, vocab_size: int):
+    def __init__(self, watcher: nn.Module, parser: Parser, vocab_size: int, counting: float = 0.0):
         super().__init__()
         self.watcher = watcher
         self.parser = parser
         self.vocab_size = vocab_size
         self.start_index = vocab_size  # the extra embedding row
+        # CAN's counting head (model.counting > 0): per-position symbol densities, used in training only.
+        self.counting_weight = float(counting)
+        self.counter = nn.Conv2d(watcher.out_channels, vocab_size, 1) if counting > 0 else None
+        if self.counter is not None:  # start near "no symbol here" (sigmoid(-4) = 0.018), not 0.5 everywhere
+            nn.init.constant_(self.counter.bias, -4.0)
 
     def output_layer_names(self) -> list[str]:
         """Dotted names of the output layer's parameters (adaptive gradient clipping leaves them alone)."""
-        return [f"parser.out.{n}" for n, _ in self.parser.out.named_parameters()]
+        names = [f"parser.out.{n}" for n, _ in self.parser.out.named_parameters()]
+        if self.counter is not None:
+            names += [f"counter.{n}" for n, _ in self.counter.named_parameters()]
+        return names
 
     def encode(self, images: Tensor, image_mask: Tensor) -> tuple[Tensor, Tensor]:
         """images (B, 1, H, W), image_mask (B, H, W) -> features (B, C, h, w) (0 on padding), feat_mask (B, h, w)."""
@@ -249,16 +263,27 @@ class WAP(nn.Module):
         logits, state, alpha = self.parser.step(state, self.parser.embed(prev_tokens))
         return F.log_softmax(logits.float(), -1), state, alpha
 
+    def count(self, features: Tensor, feat_mask: Tensor) -> Tensor:
+        """CAN's symbol counts: sigmoid densities of the counting head summed over the valid positions, (B, V)."""
+        density = torch.sigmoid(self.counter(features).float()) * feat_mask.unsqueeze(1).float()
+        return density.sum((2, 3))
+
     def forward(
-        self, images: Tensor, image_mask: Tensor, targets: Tensor, target_mask: Tensor | None = None
-    ) -> Tensor:
+        self,
+        images: Tensor,
+        image_mask: Tensor,
+        targets: Tensor,
+        target_mask: Tensor | None = None,
+        with_counts: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """Teacher-forced logits (B, T, V): step t reads targets[:, t-1] (the start token at t=0).
 
         targets (B, T) end with `<eol>` = 0 and are padded after it; `target_mask` (B, T) is accepted for a uniform
         call but not needed: the parser is causal, so steps past the end change nothing before it, and the loss
-        drops them.
+        drops them. `with_counts` (a model with a counting head) also returns the predicted symbol counts (B, V).
         """
         features, feat_mask = self.encode(images, image_mask)
+        counts = self.count(features, feat_mask) if with_counts and self.counter is not None else None
         state = self.init_state(features, feat_mask)
         start = targets.new_full((targets.size(0), 1), self.start_index)
         emb = self.parser.embed(torch.cat([start, targets[:, :-1]], 1))  # (B, T, E)
@@ -269,14 +294,16 @@ class WAP(nn.Module):
             contexts.append(context)
         # The readout feeds nothing back into the recurrence, so teacher forcing runs it once over all steps:
         # the same logits as step() gives, with a third fewer ops in the per-token loop.
-        return self.parser.readout_logits(torch.stack(hs, 1), emb, torch.stack(contexts, 1))
+        logits = self.parser.readout_logits(torch.stack(hs, 1), emb, torch.stack(contexts, 1))
+        return (logits, counts) if with_counts else logits
 
 
 def build_model(cfg_model, vocab_size: int) -> WAP:
     """The WAP of `cfg_model` (a ModelConfig) for a vocabulary of `vocab_size` tokens (`<eol>` = 0)."""
     c = cfg_model
     if c.watcher == "vgg":
-        watcher = VGGWatcher(list(c.channels), c.convs_per_block)
+        block_convs = list(getattr(c, "block_convs", None) or [])  # absent from older checkpoints' configs
+        watcher = VGGWatcher(list(c.channels), block_convs or c.convs_per_block)
     elif c.watcher == "dense":
         watcher = DenseWatcher(
             c.dense_init_channels,
@@ -288,4 +315,7 @@ def build_model(cfg_model, vocab_size: int) -> WAP:
         )
     else:
         raise ValueError(f"model.watcher must be 'vgg' or 'dense' (got {c.watcher!r})")
-    return WAP(watcher, Parser(c, watcher.out_channels, vocab_size), vocab_size)
+    counting = float(getattr(c, "counting", 0.0) or 0.0)  # absent from older checkpoints' configs
+    if counting < 0:
+        raise ValueError(f"model.counting={counting} must be >= 0 (0 turns the counting loss off)")
+    return WAP(watcher, Parser(c, watcher.out_channels, vocab_size), vocab_size, counting=counting)

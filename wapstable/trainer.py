@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from . import distributed
 from .checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import Config
-from .data import BatchStream, check_labels, filter_samples, load_splits, load_vocab
+from .data import BUCKETS, BatchStream, check_labels, filter_samples, load_splits, load_vocab
 from .errors import TrainingStopped, UserError
 from .evaluation import evaluate_samples
 from .gradstats import GradStats, clip_threshold, validate_stats_config
@@ -49,12 +49,25 @@ def sequence_loss(logits: torch.Tensor, targets: torch.Tensor, target_mask: torc
     return (nll.view_as(target_mask) * target_mask).sum() / targets.shape[0]
 
 
+def counting_loss(counts: torch.Tensor, targets: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
+    """CAN's counting loss: smooth L1 between predicted and true symbol counts, summed over the vocabulary (the
+    end token `<eol>` left out) and averaged over the batch, like the sequence loss."""
+    truth = torch.zeros_like(counts).scatter_add_(1, targets, target_mask.to(counts.dtype))  # (B, V)
+    return F.smooth_l1_loss(counts[:, 1:], truth[:, 1:], reduction="sum") / targets.shape[0]
+
+
 def forward_loss(model, batch, fault: Fault | None = None, step: int = -1, precision: str = "32"):
-    """The training loss of one batch, with the configured fault applied (used by training and by replay)."""
+    """The training loss of one batch, with the configured fault applied (used by training and by replay):
+    the sequence loss, plus `model.counting` x the counting loss when the model has a counting head."""
     images = fault.batch(batch.images, step) if fault else batch.images
+    core = model.module if hasattr(model, "module") else model  # DDP wraps the WAP
+    weight = float(getattr(core, "counting_weight", 0.0))
     with autocast(images.device, precision):
-        logits = model(images, batch.image_mask, batch.targets, batch.target_mask)
+        out = model(images, batch.image_mask, batch.targets, batch.target_mask, with_counts=weight > 0)
+    logits, counts = out if weight > 0 else (out, None)
     loss = sequence_loss(logits, batch.targets, batch.target_mask)
+    if counts is not None:
+        loss = loss + weight * counting_loss(counts, batch.targets, batch.target_mask)
     return fault.loss(loss, step) if fault else loss
 
 
@@ -106,6 +119,8 @@ def validate_config(cfg: DictConfig) -> None:
             f"guard.on_budget_exhausted={g.on_budget_exhausted!r} is unknown; use stop or rollback"
         )
     d = cfg.data
+    if d.bucket_by not in BUCKETS:
+        raise UserError(f"data.bucket_by={d.bucket_by!r} is unknown; use size (WAP's) or tokens")
     if d.pixel_budget <= 0 or d.max_batch <= 0:
         raise UserError("data.pixel_budget and data.max_batch must be positive")
     if cfg.decode.max_len <= 0 or cfg.decode.beam_size <= 0 or cfg.decode.final_beam_size <= 0:
@@ -188,7 +203,10 @@ class Trainer:
             len(self.vocab),
         )
 
-        self.model = build_model(cfg.model, len(self.vocab)).to(self.device)
+        try:
+            self.model = build_model(cfg.model, len(self.vocab)).to(self.device)
+        except ValueError as e:  # a model size that cannot be built: the message names the key
+            raise UserError(str(e)) from None
         if self.resume_state is not None:
             check_model_compatible(self.model, self.resume_state["model"], resume_path)
         self.ddp_model = self.dist.wrap(self.model)
@@ -203,6 +221,7 @@ class Trainer:
             rank=self.dist.rank,
             world_size=self.dist.world_size,
             num_workers=d.num_workers,
+            bucket_by=d.bucket_by,
         )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.trainer.precision == "fp16")
         self.history = AutoClipHistory(cfg.clip.history)
