@@ -66,3 +66,40 @@ def test_resume_refuses_another_model_size(tmp_path, cache_dir):
     assert proc.returncode == 2
     assert "another size" in proc.stderr + proc.stdout and "model config" in proc.stderr + proc.stdout
     assert last.read_bytes() == before
+
+
+def test_time_budget_ends_the_run_and_its_schedule(tmp_path, cache_dir):
+    run = tmp_path / "run"
+    proc = run_train(
+        [
+            "trainer.max_steps=100000",
+            "trainer.eval_every=100000",
+            "trainer.checkpoint_every=100000",
+            "trainer.max_minutes=0.05",
+            "optim=adam",
+            "optim.schedule=cosine",
+        ],
+        run,
+        cache_dir,
+    )
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["stopped_by_time"] and 0 < metrics["steps"] < 100000
+    assert metrics["evals"][-1]["step"] == metrics["steps"]  # evaluated and saved where it stopped
+    state = torch.load(run / "checkpoints" / "last.pt", weights_only=True)["state"]
+    assert state["step"] == metrics["steps"]
+    assert "trainer.max_minutes=0.05 spent" in proc.stdout + proc.stderr
+    # the cosine reached its end with the budget, far from step 100000
+    assert state["optimizer"]["param_groups"][0]["lr"] < 1e-3 * 0.05
+
+
+def test_cosine_follows_whichever_budget_runs_out_first():
+    from wapstable.config import OptimConfig
+    from wapstable.optim import lr_factor
+
+    cfg = OptimConfig(schedule="cosine", warmup_steps=10)
+    assert lr_factor(cfg, 4, 1000) == 0.5  # warm-up counts steps whatever the clock says
+    assert lr_factor(cfg, 4, 1000, time_done=0.9) == 0.5
+    assert lr_factor(cfg, 10, 1000) == 1.0
+    assert abs(lr_factor(cfg, 10, 1000, time_done=0.5) - 0.5) < 1e-9
+    assert lr_factor(cfg, 10, 1000, time_done=1.0) < 1e-12
+    assert abs(lr_factor(cfg, 505, 1000, time_done=0.1) - 0.5) < 1e-9  # steps ahead of time

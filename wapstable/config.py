@@ -152,7 +152,11 @@ class DecodeConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 3000  # the default run: about 6 minutes on 2 CPU cores
+    max_steps: int = 3000
+    # Wall-clock budget of the training loop in minutes (0 = none): training stops at max_steps or when the budget
+    # is spent, whichever comes first, and a cosine schedule follows whichever runs out first. Not part of a
+    # bit-identical run: where it stops depends on the machine's speed.
+    max_minutes: float = 0.0
     eval_every: int = 500
     checkpoint_every: int = 500
     log_every: int = 10

@@ -107,6 +107,8 @@ def validate_config(cfg: DictConfig) -> None:
     for key in ("max_steps", "eval_every", "checkpoint_every", "log_every"):
         if t[key] <= 0:
             raise UserError(f"trainer.{key}={t[key]} must be a positive number of steps")
+    if t.max_minutes < 0:
+        raise UserError(f"trainer.max_minutes={t.max_minutes} must be >= 0 (0 = no time limit)")
     if t.precision not in ("32", "bf16", "fp16"):
         raise UserError(f"trainer.precision={t.precision!r} is unknown; use 32, bf16 or fp16")
     validate_clip_config(cfg.clip)
@@ -211,7 +213,8 @@ class Trainer:
             check_model_compatible(self.model, self.resume_state["model"], resume_path)
         self.ddp_model = self.dist.wrap(self.model)
         self.optimizer = build_optimizer(cfg.optim, self.model.parameters())
-        self.scheduler = build_scheduler(cfg.optim, self.optimizer, cfg.trainer.max_steps)
+        self.elapsed_before = 0.0  # training seconds of the runs this one resumes
+        self.scheduler = build_scheduler(cfg.optim, self.optimizer, cfg.trainer.max_steps, self.time_done)
         self.stream = BatchStream(
             self.splits["train"],
             self.vocab,
@@ -239,7 +242,7 @@ class Trainer:
         self.evals: list[dict] = []
         self.anomalies: list[dict] = []
         self.localization: dict | None = None
-        self.elapsed_before = 0.0
+        self.stopped_by_time = False
         if self.resume_state is not None:
             self.load_state(self.resume_state)
         self.writer = None
@@ -295,6 +298,15 @@ class Trainer:
         self.anomalies = list(state["anomalies"])
         self.elapsed_before = float(state.get("elapsed", 0.0))
         set_rng_state(state["rng"])
+
+    def time_done(self) -> float:
+        """The share of trainer.max_minutes spent so far (resumed runs included); 0 without a budget."""
+        budget = 60.0 * self.cfg.trainer.max_minutes
+        return min(1.0, self.elapsed() / budget) if budget > 0 else 0.0
+
+    def time_up(self) -> bool:
+        """Whether the wall-clock budget is spent, the same answer on every rank."""
+        return self.cfg.trainer.max_minutes > 0 and self.dist.agree(self.time_done() >= 1.0)
 
     def elapsed(self) -> float:
         return self.elapsed_before + (time.time() - self.start_time if hasattr(self, "start_time") else 0.0)
@@ -604,7 +616,8 @@ class Trainer:
         self.dist.check_consistency(self.model, self.step)  # same step and weights on every rank (DDP only)
         try:
             with anomaly_ctx:
-                while self.step < t.max_steps:
+                time_up = self.time_up()
+                while self.step < t.max_steps and not time_up:
                     t0 = time.perf_counter()
                     batch = self.stream.next().to(self.device)
                     rng_before = rng_state() if cfg.guard.checkpoint_on_anomaly else None
@@ -622,9 +635,19 @@ class Trainer:
                     self.log_step(out, progress)
                     if self.dist.should_check(self.step, t.consistency_every):
                         self.dist.check_consistency(self.model, self.step)
-                    if self.step % t.eval_every == 0 or self.step == t.max_steps:
+                    time_up = self.time_up()
+                    last = self.step == t.max_steps or time_up
+                    if time_up:
+                        self.stopped_by_time = True
+                        message = (
+                            f"trainer.max_minutes={t.max_minutes:g} spent: training ends at step {self.step}"
+                        )
+                        if progress is not None:
+                            progress.write(message)
+                        log.info(message)
+                    if self.step % t.eval_every == 0 or last:
                         self.run_eval(progress)
-                    if self.step % t.checkpoint_every == 0 or self.step == t.max_steps:
+                    if self.step % t.checkpoint_every == 0 or last:
                         self.save("last")
                     if self.dist.agree(stop_requested["flag"]):  # all ranks stop after the same step
                         stop_requested["flag"] = True
@@ -696,6 +719,7 @@ class Trainer:
         accepted = max(1, self.counters["accepted"])
         metrics = {
             "steps": self.step,
+            "stopped_by_time": self.stopped_by_time,
             "wall_time_s": round(self.elapsed(), 2),
             "best_valid_exprate": self.best["exprate"],
             "best_step": self.best["step"],
