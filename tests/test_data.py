@@ -117,3 +117,16 @@ def test_ranks_get_disjoint_batches():
     ids0 = {i for _ in range(len(r0)) for i in r0.next().ids}
     ids1 = {i for _ in range(len(r1)) for i in r1.next().ids}
     assert not ids0 & ids1
+
+
+def test_curriculum_epochs_go_from_short_labels_to_long():
+    data = samples(60)
+    vocab = Vocab.build(s.tokens for s in data)
+    stream = BatchStream(data, vocab, 6000, 4, seed=0, curriculum_epochs=1)
+    longest = [max(len(data[i].tokens) for i in b) for b in stream.batches]
+    first = [longest[b] for b in stream.epoch_order(0)]
+    assert first == sorted(first) and first[0] < first[-1]
+    assert sorted(stream.epoch_order(1)) == list(range(len(stream.batches)))
+    assert stream.epoch_order(1) != stream.epoch_order(0)  # shuffled again after the curriculum
+    plain = BatchStream(data, vocab, 6000, 4, seed=0)
+    assert plain.epoch_order(0) != stream.epoch_order(0)

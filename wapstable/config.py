@@ -69,6 +69,7 @@ class DataConfig:
     on_error: str = "fail"  # fail | skip
     # batching as in WAP: sort, fill under a pixel budget; sort by image size (WAP) or by label length (tokens)
     bucket_by: str = "size"
+    curriculum_epochs: int = 0  # the first N epochs go from the shortest labels to the longest; 0 = shuffled
     pixel_budget: int = 120000
     max_batch: int = 16
     max_image_pixels: int = 120000  # larger images are dropped, as WAP does

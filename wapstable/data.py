@@ -227,8 +227,14 @@ class BatchStream:
         world_size: int = 1,
         num_workers: int = 0,
         bucket_by: str = "size",
+        curriculum_epochs: int = 0,
     ):
         self.batches = make_batches(samples, pixel_budget, max_batch, bucket_by)
+        # Curriculum: the first epochs visit batches from the shortest labels to the longest (a one-symbol image
+        # needs no alignment, so the watcher learns its glyphs before the parser must learn to move).
+        lengths = [max(len(samples[i].tokens) for i in b) for b in self.batches]
+        self.by_length = sorted(range(len(self.batches)), key=lambda b: (lengths[b], b))
+        self.curriculum_epochs = curriculum_epochs
         if len(self.batches) < world_size:
             raise UserError(
                 f"the training split gives {len(self.batches)} batches for {world_size} processes"
@@ -239,7 +245,10 @@ class BatchStream:
         self._iter = None
 
     def epoch_order(self, epoch: int) -> list[int]:
-        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.batches))
+        if epoch < self.curriculum_epochs:
+            order = np.asarray(self.by_length)
+        else:
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(self.batches))
         per_rank = len(order) // self.world_size
         return order[self.rank :: self.world_size][:per_rank].tolist()
 

@@ -121,6 +121,8 @@ def validate_config(cfg: DictConfig) -> None:
             f"guard.on_budget_exhausted={g.on_budget_exhausted!r} is unknown; use stop or rollback"
         )
     d = cfg.data
+    if d.curriculum_epochs < 0:
+        raise UserError(f"data.curriculum_epochs={d.curriculum_epochs} must be >= 0 (0 = no curriculum)")
     if d.bucket_by not in BUCKETS:
         raise UserError(f"data.bucket_by={d.bucket_by!r} is unknown; use size (WAP's) or tokens")
     if d.pixel_budget <= 0 or d.max_batch <= 0:
@@ -225,6 +227,7 @@ class Trainer:
             world_size=self.dist.world_size,
             num_workers=d.num_workers,
             bucket_by=d.bucket_by,
+            curriculum_epochs=d.curriculum_epochs,
         )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.trainer.precision == "fp16")
         self.history = AutoClipHistory(cfg.clip.history)
