@@ -7,7 +7,7 @@ Each image is brought to the training convention first: gray, ink bright on a da
 inverts an image whose background is bright, such as a scan or a rendering of dark ink on white), background
 removed, cropped to the ink plus a 4 px margin, and scaled to `--height` rows (default: data.height for a model
 trained on CROHME InkML; otherwise the image's own size, shrunk only if over data.max_image_pixels). A model reads
-best at the scale it was trained on: for a synthetic-data model that is about the height of 16 pt type at 72 dpi.
+best at the scale it was trained on: for a synthetic-data model, type of its data.font_size (28 pt) at 72 dpi.
 `--attention out.png` draws, per image, the prepared image and one panel per decoded token with the attention
 the model paid while emitting it. Exit code 2: an unreadable checkpoint or image, named on stderr.
 """

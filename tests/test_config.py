@@ -10,7 +10,7 @@ from hydra.errors import ConfigCompositionException
 GROUPS = {
     "model": ["small", "wap", "densewap"],
     "data": ["synthetic", "crohme", "wap_pkl"],
-    "optim": ["adadelta", "adam", "sgd"],
+    "optim": ["adadelta", "adam", "adam_cosine", "sgd"],
     "clip": ["none", "norm", "value", "inf", "agc", "autoclip"],
     "fault": ["none", "nan_input", "inf_loss", "lr_spike", "attention_overflow"],
 }
@@ -26,21 +26,50 @@ def test_group_files_are_the_listed_options():
 def test_every_option_composes(group, option):
     cfg = compose_config([f"{group}={option}"])
     node = cfg[group]
-    assert node.name == option if group != "clip" else node.mode == option
+    name = option.split("_")[0] if group == "optim" else option  # adam_cosine is Adam with a schedule
+    assert (node.mode if group == "clip" else node.name) == name
 
 
 def test_defaults():
     cfg = compose_config()
-    assert cfg.model.name == "small" and cfg.data.name == "synthetic" and cfg.optim.name == "adadelta"
+    assert cfg.model.name == "small" and cfg.data.name == "synthetic" and cfg.optim.name == "adam"
     assert cfg.clip.mode == "norm" and cfg.clip.max_norm == 100.0
-    assert cfg.model.attention.stable is True
+    assert cfg.model.attention.stable is True and cfg.model.attention.position_features == 32
     assert cfg.guard.skip_nonfinite and cfg.guard.max_consecutive_skips == 5
-    assert (
-        cfg.optim.lr == 1.0
-        and cfg.optim.rho == 0.95
-        and cfg.optim.eps == 1e-6
-        and cfg.optim.weight_decay == 1e-4
+    # the default run's recipe (docs/recipes.md): data kept at difficulty 2, rendered at 28 pt
+    assert cfg.data.difficulty == 2 and cfg.data.font_size == 28 and cfg.data.bucket_by == "tokens"
+    assert cfg.optim.lr == 3e-3 and cfg.optim.schedule == "cosine" and cfg.optim.warmup_steps == 150
+    assert cfg.trainer.max_minutes == 7.5 and list(cfg.model.block_convs) == [1, 1, 2, 2]
+    # WAP's Adadelta is one option away
+    ada = compose_config(["optim=adadelta"]).optim
+    assert ada.lr == 1.0 and ada.rho == 0.95 and ada.eps == 1e-6 and ada.weight_decay == 1e-4
+    assert ada.schedule == "constant"
+
+
+@pytest.mark.parametrize("name", ["synthetic_long", "wap_crohme", "densewap_crohme"])
+def test_experiment_presets(name):
+    found = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
+    assert found == ["densewap_crohme", "synthetic_long", "wap_crohme"]
+    cfg = compose_config(
+        [f"experiment={name}", "data.root=/data"] if "crohme" in name else [f"experiment={name}"]
     )
+    if name == "synthetic_long":
+        # the default recipe and data distribution, more data and time
+        assert cfg.data.name == "synthetic" and cfg.data.difficulty == 2 and cfg.data.num_train == 10000
+        assert cfg.trainer.max_minutes == 26 and cfg.model.name == "small"
+        assert (cfg.data.num_valid, cfg.data.num_test) == (200, 200)
+        return
+    # the papers' recipes: Adadelta lr 1.0, batch 8, global-norm clip 100, beam 10, no wall-clock limit
+    assert cfg.data.name == "crohme" and cfg.data.max_batch == 8 and cfg.trainer.max_minutes == 0
+    assert cfg.optim.name == "adadelta" and cfg.optim.lr == 1.0 and cfg.optim.weight_decay == 1e-4
+    assert cfg.clip.mode == "norm" and cfg.clip.max_norm == 100.0 and cfg.decode.final_beam_size == 10
+    assert cfg.model.attention.position_features == 0 and not cfg.model.block_convs
+    if name == "wap_crohme":
+        assert cfg.model.name == "wap" and list(cfg.model.channels) == [32, 64, 64, 128]
+        assert cfg.model.convs_per_block == 4 and cfg.model.dropout == 0.5
+    else:
+        assert cfg.model.name == "densewap" and cfg.model.dense_growth == 24 and cfg.model.dropout == 0.2
+        assert cfg.model.attention.dim == 512 and cfg.model.attention.coverage_kernel == 11
 
 
 def test_paper_sizes():

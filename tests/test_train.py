@@ -12,7 +12,7 @@ def weights(path):
 
 def test_smoke_run_writes_the_run_files(tmp_path, cache_dir):
     run = tmp_path / "run"
-    run_train([], run, cache_dir)
+    run_train(["optim=adam_cosine"], run, cache_dir)  # the default optimizer and schedule
     for name in [
         "train.log",
         "metrics.json",
@@ -32,6 +32,9 @@ def test_smoke_run_writes_the_run_files(tmp_path, cache_dir):
     state = torch.load(run / "checkpoints" / "last.pt", weights_only=True)["state"]
     assert (
         state["step"] == 3 and state["vocab"][0] == "<eol>" and state["config"]["trainer"]["max_steps"] == 3
+    )
+    assert (
+        state["config"]["optim"]["schedule"] == "cosine" and state["config"]["data"]["bucket_by"] == "tokens"
     )
     assert {"python", "numpy", "torch"} <= set(state["rng"])
 
