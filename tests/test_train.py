@@ -106,3 +106,14 @@ def test_cosine_follows_whichever_budget_runs_out_first():
     assert abs(lr_factor(cfg, 10, 1000, time_done=0.5) - 0.5) < 1e-9
     assert lr_factor(cfg, 10, 1000, time_done=1.0) < 1e-12
     assert abs(lr_factor(cfg, 505, 1000, time_done=0.1) - 0.5) < 1e-9  # steps ahead of time
+
+
+def test_resume_refuses_another_optimizer(tmp_path, cache_dir):
+    first = tmp_path / "first"
+    run_train(["optim=adam"], first, cache_dir)
+    last = first / "checkpoints" / "last.pt"
+    before = last.read_bytes()
+    proc = run_train([f"resume={last}", "optim=adadelta"], tmp_path / "second", cache_dir, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "holds the state of optimizer adam, not optim.name=adadelta" in proc.stderr + proc.stdout
+    assert last.read_bytes() == before and not (tmp_path / "second" / "checkpoints").exists()

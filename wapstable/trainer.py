@@ -213,6 +213,12 @@ class Trainer:
             raise UserError(str(e)) from None
         if self.resume_state is not None:
             check_model_compatible(self.model, self.resume_state["model"], resume_path)
+            saved_optim = self.resume_state["config"].get("optim", {}).get("name")
+            if saved_optim and saved_optim != cfg.optim.name:
+                raise UserError(
+                    f"checkpoint {resume_path} holds the state of optimizer {saved_optim}, not "
+                    f"optim.name={cfg.optim.name}; resume with optim={saved_optim} (its lr and schedule may change)"
+                )
         self.ddp_model = self.dist.wrap(self.model)
         self.optimizer = build_optimizer(cfg.optim, self.model.parameters())
         self.elapsed_before = 0.0  # training seconds of the runs this one resumes
