@@ -617,7 +617,13 @@ class Trainer:
         if t.progress and self.dist.is_main:
             from tqdm import tqdm
 
-            progress = tqdm(total=t.max_steps, initial=self.step, desc="train", dynamic_ncols=True)
+            # Under a time budget the step total is only a cap: say so, since the bar's ETA counts steps.
+            desc = (
+                f"train (ends at {t.max_minutes:g} min or step {t.max_steps})"
+                if t.max_minutes > 0
+                else "train"
+            )
+            progress = tqdm(total=t.max_steps, initial=self.step, desc=desc, dynamic_ncols=True)
         anomaly_ctx = (
             torch.autograd.detect_anomaly() if cfg.guard.detect_anomaly else contextlib.nullcontext()
         )
