@@ -30,7 +30,7 @@ from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 from wapstable.config import Config, register_configs  # noqa: E402
 from wapstable.data import SPLITS, check_labels, load_splits  # noqa: E402
-from wapstable.errors import UserError  # noqa: E402
+from wapstable.errors import UserError, run_script  # noqa: E402
 from wapstable.evaluation import evaluate_samples, load_model  # noqa: E402
 from wapstable.metrics import format_table  # noqa: E402
 
@@ -137,8 +137,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_script(main)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from wapstable.errors import UserError  # noqa: E402
+from wapstable.errors import UserError, run_script  # noqa: E402
 from wapstable.evaluation import (  # noqa: E402
     attention_figure,
     load_model,
@@ -85,8 +85,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_script(main)

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from wapstable.errors import UserError  # noqa: E402
+from wapstable.errors import UserError, run_script  # noqa: E402
 from wapstable.latex import tokenize_latex  # noqa: E402
 from wapstable.synthetic import FONTS, render, tokens_to_mathtext  # noqa: E402
 
@@ -51,8 +51,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_script(main)

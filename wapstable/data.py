@@ -134,6 +134,12 @@ def filter_samples(samples: list[Sample], max_image_pixels: int, max_tokens: int
 BUCKETS = ("size", "tokens")
 
 
+def check_bucket_by(bucket_by: str) -> None:
+    """Refuse a data.bucket_by that make_batches does not know, naming the options."""
+    if bucket_by not in BUCKETS:
+        raise UserError(f"data.bucket_by={bucket_by!r} is unknown; use size (WAP's) or tokens")
+
+
 def make_batches(
     samples: Sequence[Sample], pixel_budget: int, max_batch: int, bucket_by: str = "size"
 ) -> list[list[int]]:
@@ -143,8 +149,7 @@ def make_batches(
     parser runs once per token of a batch's longest label, so batches of equal lengths waste fewer decoding steps
     (on the default synthetic set about 30 % fewer), and since width grows with length, fewer padded pixels too.
     """
-    if bucket_by not in BUCKETS:
-        raise UserError(f"data.bucket_by={bucket_by!r} is unknown; use size (WAP's) or tokens")
+    check_bucket_by(bucket_by)
 
     def key(i: int) -> tuple:
         s = samples[i]

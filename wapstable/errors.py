@@ -1,4 +1,7 @@
-"""The two ways a run ends early on purpose."""
+"""The two ways a run ends early on purpose, and how a script reports the first."""
+
+import sys
+from collections.abc import Callable
 
 
 class UserError(ValueError):
@@ -7,3 +10,12 @@ class UserError(ValueError):
 
 class TrainingStopped(RuntimeError):
     """The guard's budget ran out: the run wrote its anomaly checkpoint and stopped."""
+
+
+def run_script(main: Callable[[], int]) -> None:
+    """Exit with `main()`'s status; a UserError is one `error:` line on stderr and exit status 2."""
+    try:
+        sys.exit(main())
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from . import distributed
 from .checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import Config
-from .data import BUCKETS, BatchStream, check_labels, filter_samples, load_splits, load_vocab
+from .data import BatchStream, check_bucket_by, check_labels, filter_samples, load_splits, load_vocab
 from .errors import TrainingStopped, UserError
 from .evaluation import evaluate_samples
 from .gradstats import GradStats, clip_threshold, validate_stats_config
@@ -123,8 +123,7 @@ def validate_config(cfg: DictConfig) -> None:
     d = cfg.data
     if d.curriculum_epochs < 0:
         raise UserError(f"data.curriculum_epochs={d.curriculum_epochs} must be >= 0 (0 = no curriculum)")
-    if d.bucket_by not in BUCKETS:
-        raise UserError(f"data.bucket_by={d.bucket_by!r} is unknown; use size (WAP's) or tokens")
+    check_bucket_by(d.bucket_by)  # before the data is rendered or read
     if d.pixel_budget <= 0 or d.max_batch <= 0:
         raise UserError("data.pixel_budget and data.max_batch must be positive")
     if cfg.decode.max_len <= 0 or cfg.decode.beam_size <= 0 or cfg.decode.final_beam_size <= 0:
