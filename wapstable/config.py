@@ -119,7 +119,7 @@ class GuardConfig:
     max_anomaly_checkpoints: int = 3
     localize: bool = True
     on_budget_exhausted: str = "stop"  # stop | rollback
-    snapshot_every: int = 50
+    snapshot_every: int = 50  # also at every regular checkpoint; 0 = only there
     lr_backoff: float = 0.5
     clip_backoff: float = 0.5
     max_rollbacks: int = 3

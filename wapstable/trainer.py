@@ -120,6 +120,13 @@ def validate_config(cfg: DictConfig) -> None:
         raise UserError(
             f"guard.on_budget_exhausted={g.on_budget_exhausted!r} is unknown; use stop or rollback"
         )
+    if g.snapshot_every < 0 or g.max_rollbacks < 0:
+        raise UserError(
+            "guard.snapshot_every and guard.max_rollbacks must be >= 0 (snapshot_every=0: snapshots only at "
+            "checkpoints)"
+        )
+    if not (0 < g.lr_backoff <= 1 and 0 < g.clip_backoff <= 1):
+        raise UserError("guard.lr_backoff and guard.clip_backoff must be in (0, 1]: a rollback lowers them")
     d = cfg.data
     if d.curriculum_epochs < 0:
         raise UserError(f"data.curriculum_epochs={d.curriculum_epochs} must be >= 0 (0 = no curriculum)")
@@ -307,6 +314,19 @@ class Trainer:
         self.elapsed_before = float(state.get("elapsed", 0.0))
         set_rng_state(state["rng"])
 
+    def trusted_on_disk(self) -> dict | None:
+        """The resumed run's checkpoints/trusted.pt (rollback only): a trusted state older than the resumed one."""
+        if not self.rollback.enabled or self.resume_path is None:
+            return None
+        path = self.resume_path.parent / "trusted.pt"
+        if not path.is_file():
+            return None
+        try:
+            return load_checkpoint(path)
+        except UserError as e:
+            log.warning("rollback: ignoring %s (%s)", path, e)
+            return None
+
     def time_done(self) -> float:
         """The share of trainer.max_minutes spent so far (resumed runs included); 0 without a budget."""
         budget = 60.0 * self.cfg.trainer.max_minutes
@@ -322,6 +342,8 @@ class Trainer:
     def save(self, name: str) -> Path | None:
         if not self.dist.is_main:
             return None
+        if name == "last" and (trusted := self.rollback.to_write()) is not None:
+            save_checkpoint(trusted, self.run_dir / "checkpoints" / "trusted.pt")  # apart from last.pt
         return save_checkpoint(self.state(), self.run_dir / "checkpoints" / f"{name}.pt")
 
     # ---- one step ----
@@ -436,18 +458,11 @@ class Trainer:
 
     def roll_back(self, reason: str) -> bool:
         """Restore the newest trusted state, back off lr and clip threshold, keep the data stream going."""
-        last = self.run_dir / "checkpoints" / "last.pt"
-        saved = None
-        if last.is_file():
-            try:
-                saved = load_checkpoint(last)
-            except UserError as e:
-                log.warning("rollback: ignoring %s (%s)", last, e)
-        choice = self.rollback.pick(saved)
-        if choice is None:
+        state = self.rollback.pick()
+        if state is None:
             log.error("rollback: no state from before the failures to return to")
             return False
-        state, source = choice
+        source = self.rollback.floor_source if state is self.rollback.floor else "snapshot"
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -628,6 +643,7 @@ class Trainer:
         )
         step_times = []
         self.dist.check_consistency(self.model, self.step)  # same step and weights on every rank (DDP only)
+        self.rollback.start(self.state, on_disk=self.trusted_on_disk())
         try:
             with anomaly_ctx:
                 time_up = self.time_up()
@@ -644,7 +660,6 @@ class Trainer:
                         self.counters["accepted"] += 1
                         self.counters["clipped"] += out["clipped"]
                     self.step += 1
-                    self.rollback.maybe_snapshot(self.step, self.state)
                     step_times.append(time.perf_counter() - t0)
                     self.log_step(out, progress)
                     if self.dist.should_check(self.step, t.consistency_every):
@@ -659,9 +674,11 @@ class Trainer:
                         if progress is not None:
                             progress.write(message)
                         log.info(message)
+                    checkpoint_now = self.step % t.checkpoint_every == 0 or last
+                    self.rollback.maybe_snapshot(self.step, self.state, checkpoint_now)  # on every rank
                     if self.step % t.eval_every == 0 or last:
                         self.run_eval(progress)
-                    if self.step % t.checkpoint_every == 0 or last:
+                    if checkpoint_now:
                         self.save("last")
                     if self.dist.agree(stop_requested["flag"]):  # all ranks stop after the same step
                         stop_requested["flag"] = True
