@@ -1,7 +1,8 @@
 """Entry point: `python train.py [overrides]` composes the config and calls `wapstable.trainer.train`.
 
 Exit status: 0 done; 1 config rejected by Hydra (or a crash); 2 a user error (config, data, checkpoint, full disk);
-3 stopped by the guard; 143 stopped by SIGTERM after writing checkpoints/last.pt (continue with resume=auto).
+3 stopped by the guard; 143 stopped by SIGTERM, 144 by the preemption signal SIGUSR2 (submitit's requeue status),
+both after writing checkpoints/last.pt (continue with resume=auto).
 """
 
 import logging
@@ -41,10 +42,10 @@ def main(cfg: DictConfig) -> float | None:
             raise
         sys.exit(3)
     if metrics.get("preempted"):
-        # Stopped by SIGTERM after writing last.pt: not finished, so not 0 (a `&&` chain or a scheduler's
-        # afterok must not take it for done); 143 = 128 + SIGTERM, what a shell reports for a terminated job.
-        # Also in a sweep: the node is going away, so the remaining jobs must not start on it.
-        sys.exit(143)
+        # Stopped by SIGTERM (143) or the preemption signal SIGUSR2 (144, "requeue me") after writing last.pt:
+        # not finished, so not 0 (a `&&` chain or a scheduler's afterok must not take it for done). Also in a
+        # sweep: the node is going away, so the remaining jobs must not start on it.
+        sys.exit(metrics["exit_code"])
     return metrics.get(cfg.optimize_metric)
 
 

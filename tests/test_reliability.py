@@ -258,3 +258,65 @@ def test_a_killed_write_leaves_the_old_checkpoint_and_is_cleaned_up(tmp_path):
     save_checkpoint({"step": 2, "w": torch.zeros(3)}, path)
     assert load_checkpoint(path)["step"] == 2
     assert not leftover.exists() and other.exists()
+
+
+def same_training_state(a_dir: Path, b_dir: Path) -> None:
+    """last.pt's model and optimizer tensors equal bit for bit, and the same metrics but for the wall time."""
+    a, b = (load_checkpoint(d / "checkpoints" / "last.pt") for d in (a_dir, b_dir))
+    assert a["step"] == b["step"]
+    want, got = (tensors({k: s[k] for k in ("model", "optimizer")}) for s in (a, b))
+    assert want.keys() == got.keys() and want
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+    ma, mb = (json.loads((d / "metrics.json").read_text()) for d in (a_dir, b_dir))
+    ma.pop("wall_time_s"), mb.pop("wall_time_s")
+    assert ma == mb
+
+
+def test_sigusr2_checkpoints_exits_for_requeue_and_resumes_bit_identical(tmp_path, cache_dir):
+    """SLURM's (and submitit's) preemption signal: the step ends, last.pt is written, exit 144 asks for a
+    requeue, and resume=auto ends where an uninterrupted run ends, bit for bit."""
+    straight = tmp_path / "straight"
+    run_train(COMMON, straight, cache_dir)
+    run = tmp_path / "run"
+    auto = [*COMMON, "resume=auto"]
+    r = Run(tmp_path, "usr2", run, cache_dir, auto, PAUSE_AT_STEP=5)
+    r.wait_for_pause()
+    r.proc.send_signal(signal.SIGUSR2)
+    r.release()
+    assert r.wait() == 144, r.text()
+    assert "SIGUSR2: checkpoint written at step 6; resume with resume=auto" in r.text()
+    assert "Traceback" not in r.text()
+    assert step_of(run / "checkpoints" / "last.pt") == 6 and not (run / "metrics.json").exists()
+    proc = run_train(auto, run, cache_dir)
+    assert f"resuming from {run / 'checkpoints' / 'last.pt'} (step 6)" in proc.stdout + proc.stderr
+    same_training_state(straight, run)
+
+
+def test_a_preempted_submitit_job_requeues_itself_and_finishes_bit_identical(tmp_path, cache_dir):
+    """fault=preempt sends the job SIGUSR2 in step 5 under Hydra's submitit launcher: the trainer writes last.pt,
+    submitit's handler requeues the job (its checkpoint hook), and the requeued job resumes with resume=auto."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="in the sweep extra")
+    straight = tmp_path / "straight"
+    run_train(COMMON, straight, cache_dir)
+    sweep = tmp_path / "sweep"
+    cmd = [
+        sys.executable,
+        "train.py",
+        "-m",
+        *TINY,
+        *COMMON,
+        "resume=auto",
+        "fault=preempt",
+        "fault.step=5",
+        "hydra/launcher=submitit_local",
+        "hydra.launcher.timeout_min=5",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    env = {**os.environ, "WAPSTABLE_CACHE": str(cache_dir), "HYDRA_FULL_ERROR": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    logs = "".join(p.read_text() for p in sorted((sweep / ".submitit").rglob("*_log.*")))
+    assert "SIGUSR2: checkpoint written at step 6" in logs and "Requeued job" in logs, logs[-3000:]
+    assert "resuming from" in logs
+    same_training_state(straight, sweep / "0")

@@ -127,7 +127,7 @@ class GuardConfig:
 
 @dataclass
 class FaultConfig:
-    name: str = "none"  # none | nan_input | inf_loss | lr_spike | attention_overflow
+    name: str = "none"  # none | nan_input | inf_loss | lr_spike | attention_overflow | preempt
     step: int = 5
     steps: int = 1  # how many consecutive steps the fault fires
     rank: int = 0

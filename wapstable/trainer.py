@@ -9,7 +9,6 @@ import json
 import logging
 import math
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from .evaluation import evaluate_samples
 from .gradstats import GradStats, clip_threshold, validate_stats_config
 from .model import build_model
 from .optim import build_optimizer, build_scheduler
+from .signals import StopSignals
 from .stability.clipping import (
     AutoClipHistory,
     clip_gradients_,
@@ -622,11 +622,8 @@ class Trainer:
             self.device,
             t.precision,
         )
-        stop_requested = {"flag": False}
-        previous_handler = None
-        if hasattr(signal, "SIGTERM"):  # every rank: SLURM and torchrun signal them all
-            with contextlib.suppress(ValueError):  # not in the main thread: leave signals alone
-                previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop_requested.update(flag=True))
+        signals = StopSignals()  # every rank: SLURM and torchrun signal them all
+        stopped = False
         progress = None
         if t.progress and self.dist.is_main:
             from tqdm import tqdm
@@ -645,13 +642,14 @@ class Trainer:
         self.dist.check_consistency(self.model, self.step)  # same step and weights on every rank (DDP only)
         self.rollback.start(self.state, on_disk=self.trusted_on_disk())
         try:
-            with anomaly_ctx:
+            with anomaly_ctx, signals:
                 time_up = self.time_up()
                 while self.step < t.max_steps and not time_up:
                     t0 = time.perf_counter()
                     batch = self.stream.next().to(self.device)
                     rng_before = rng_state() if cfg.guard.checkpoint_on_anomaly else None
                     out = self.train_step(batch)
+                    self.fault.preempt(self.step)
                     self.rollback.note_step(self.step, out["skipped"] and not out.get("scaler_skip"))
                     if out["skipped"]:
                         self.handle_skip(batch, out, rng_before)
@@ -680,21 +678,22 @@ class Trainer:
                         self.run_eval(progress)
                     if checkpoint_now:
                         self.save("last")
-                    if self.dist.agree(stop_requested["flag"]):  # all ranks stop after the same step
-                        stop_requested["flag"] = True
+                    if self.dist.agree(signals.received is not None):  # all ranks stop after the same step
+                        stopped = True
                         self.save("last")
                         log.warning(
-                            "SIGTERM: checkpoint written at step %d; resume with resume=auto", self.step
+                            "%s: checkpoint written at step %d; resume with resume=auto",
+                            signals.name,
+                            self.step,
                         )
                         break
         finally:
             if progress is not None:
                 progress.close()
-            if previous_handler is not None:
-                signal.signal(signal.SIGTERM, previous_handler)
-        if stop_requested["flag"]:
+        if stopped:
             self.finish_logs()
-            return {"stopped_at": self.step, "preempted": True}
+            signals.hand_over()  # under submitit: requeue the job and exit
+            return {"stopped_at": self.step, "preempted": True, "exit_code": signals.exit_code}
         return self.final_metrics()
 
     def log_step(self, out: dict, progress) -> None:

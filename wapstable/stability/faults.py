@@ -3,11 +3,13 @@
 `fault.step` is the first step it fires, `fault.steps` how many steps in a row, `fault.rank` which process.
 """
 
+import os
+
 import torch
 
 from ..errors import UserError
 
-FAULTS = ("none", "nan_input", "inf_loss", "lr_spike", "attention_overflow")
+FAULTS = ("none", "nan_input", "inf_loss", "lr_spike", "attention_overflow", "preempt")
 
 
 class Fault:
@@ -50,3 +52,11 @@ class Fault:
         for m in model.modules():
             if hasattr(m, "energy_scale"):
                 m.energy_scale = scale
+
+    def preempt(self, step: int) -> None:
+        """preempt: the process sends itself the cluster's preemption signal (SIGUSR2) during the step, as SLURM
+        does before a time limit: checks that a job checkpoints, requeues and resumes."""
+        from ..signals import preemption_signal
+
+        if self.name == "preempt" and self.active(step):
+            os.kill(os.getpid(), preemption_signal())
