@@ -84,6 +84,12 @@ def train_into(run, cache_dir, *args):
         (["clip=value", "clip.value=0"], 2, ["error: clip.value=0.0 must be positive for clip=value"]),
         (["trainer.max_steps=0"], 2, ["error: trainer.max_steps=0 must be a positive number of steps"]),
         (["data.bucket_by=width"], 2, ["error: data.bucket_by='width' is unknown; use size"]),
+        (
+            ["guard.snapshot_every=-1"],
+            2,
+            ["error: guard.snapshot_every and guard.max_rollbacks must be >= 0"],
+        ),
+        (["guard.lr_backoff=2"], 2, ["error: guard.lr_backoff and guard.clip_backoff must be in (0, 1]"]),
         (["model.block_convs=[1,2]"], 2, ["error: model.block_convs=[1, 2] must give one count"]),
         (
             ["model.attention.position_features=6"],

@@ -12,7 +12,7 @@ GROUPS = {
     "data": ["synthetic", "crohme", "wap_pkl"],
     "optim": ["adadelta", "adam", "adam_cosine", "sgd"],
     "clip": ["none", "norm", "value", "inf", "agc", "autoclip"],
-    "fault": ["none", "nan_input", "inf_loss", "lr_spike", "attention_overflow"],
+    "fault": ["none", "nan_input", "inf_loss", "lr_spike", "attention_overflow", "preempt"],
 }
 
 

@@ -320,3 +320,31 @@ def test_a_preempted_submitit_job_requeues_itself_and_finishes_bit_identical(tmp
     assert "SIGUSR2: checkpoint written at step 6" in logs and "Requeued job" in logs, logs[-3000:]
     assert "resuming from" in logs
     same_training_state(straight, sweep / "0")
+
+
+def listing(run: Path) -> dict:
+    """Every file under a run directory with its size and modification time."""
+    return {
+        str(p.relative_to(run)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in run.rglob("*")
+        if p.is_file()
+    }
+
+
+def test_a_second_process_on_a_run_directory_is_refused_and_a_killed_one_leaves_no_lock(tmp_path, cache_dir):
+    run = tmp_path / "run"
+    auto = [*COMMON, "resume=auto"]
+    r = Run(tmp_path, "holder", run, cache_dir, auto, PAUSE_AT_STEP=5)
+    r.wait_for_pause()
+    before = listing(run)
+    for args in (auto, COMMON):  # resume=auto started twice, and a fresh run into a directory in use
+        second = run_train(args, run, cache_dir, check=False)
+        out = second.stdout + second.stderr
+        assert second.returncode == 2, out
+        assert f"{run} is in use by another training process (PID {r.proc.pid})" in out, out
+        assert "Traceback" not in out
+        assert listing(run) == before  # nothing written: not even Hydra's .hydra/ files or train.log
+    r.kill()  # SIGKILL: the OS drops the lock with the process
+    proc = run_train(auto, run, cache_dir)
+    assert "resuming from" in proc.stdout + proc.stderr
+    assert json.loads((run / "metrics.json").read_text())["steps"] == 12

@@ -25,6 +25,7 @@ from .evaluation import evaluate_samples
 from .gradstats import GradStats, clip_threshold, validate_stats_config
 from .model import build_model
 from .optim import build_optimizer, build_scheduler
+from .runlock import run_lock
 from .signals import StopSignals
 from .stability.clipping import (
     AutoClipHistory,
@@ -818,10 +819,11 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
     `overrides` are the command line's overrides: when resuming, they are applied on top of the checkpoint's
     config (they win); without them the given config is used as it is.
     """
-    trainer = Trainer(cfg, overrides)
-    try:
-        return trainer.fit()
-    finally:
-        if trainer.writer is not None:
-            trainer.writer.close()
-        trainer.dist.cleanup()
+    with run_lock(cfg.run_dir):  # one process per run directory (rank 0 under torchrun)
+        trainer = Trainer(cfg, overrides)
+        try:
+            return trainer.fit()
+        finally:
+            if trainer.writer is not None:
+                trainer.writer.close()
+            trainer.dist.cleanup()
