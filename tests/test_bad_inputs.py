@@ -46,7 +46,8 @@ def files(run: Path) -> dict[str, bytes]:
     return {
         p.relative_to(run).as_posix(): p.read_bytes()
         for p in sorted(run.rglob("*"))
-        if p.is_file() and p.relative_to(run).parts[0] != ".hydra"
+        # run.lock holds the PID of the process that holds the lock, so every start rewrites it
+        if p.is_file() and p.relative_to(run).parts[0] != ".hydra" and p.name != "run.lock"
     }
 
 
@@ -104,6 +105,8 @@ def train_into(run, cache_dir, *args):
         "zero-clip",
         "zero-steps",
         "bucket",
+        "snapshot-every",
+        "backoff",
         "block-convs",
         "positions",
     ],
