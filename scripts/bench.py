@@ -308,7 +308,7 @@ def bench_anomaly_write(sb: StepBench, repeats: int) -> dict:
     sb.reset(t)
     batch = sb.batches[0]
     out = t.train_step(batch)
-    if not out["skipped"]:
+    if not out.skipped:
         raise RuntimeError(
             "fault=nan_input did not make the step non-finite; the skip timings would be wrong"
         )
@@ -316,7 +316,7 @@ def bench_anomaly_write(sb: StepBench, repeats: int) -> dict:
     for _ in range(max(3, repeats // 3)):
         rng = rng_state()
         t0 = time.perf_counter()
-        path = t.write_anomaly(batch, out, rng)
+        path = t.write_anomaly(out, batch, rng)
         writes.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
     t.localize(path)
@@ -473,7 +473,7 @@ def bench_data(base: list[str], tmp: Path, fit_steps: int, renders: int, dev: De
         batch = t.stream.next().to(t.device)
         t1 = time.perf_counter()
         out = t.train_step(batch)
-        if out["skipped"]:
+        if out.skipped:
             t.model.zero_grad(set_to_none=True)
         t.step += 1
         dev.sync()

@@ -14,6 +14,7 @@ from wapstable.config import ClipConfig, StatsConfig
 from wapstable.errors import UserError
 from wapstable.gradstats import CSV_NAME, GLOBAL, GradStats, clip_threshold, validate_stats_config
 from wapstable.stability import AutoClipHistory
+from wapstable.stability.step_guard import Outcome, StepResult
 
 spec = importlib.util.spec_from_file_location("grad_report", ROOT / "scripts" / "grad_report.py")
 grad_report = importlib.util.module_from_spec(spec)
@@ -46,8 +47,8 @@ def step_with_stats(stats, model, step, lr=0.1, skipped=False, anomalous=False):
         with torch.no_grad():
             for p in model.parameters():
                 p -= lr * p.grad
-    out = {"grad_norm": total, "loss": 1.5, "clipped": False, "skipped": skipped}
-    stats.finish(step, out)
+    outcome = Outcome.NONFINITE if skipped else Outcome.ACCEPTED
+    stats.finish(step, StepResult(step, loss=1.5, grad_norm=total, outcome=outcome))
     return grads, before
 
 

@@ -58,16 +58,16 @@ def test_skipped_step_changes_nothing(tmp_path, cache_dir, optim, fault):
     )
     for _ in range(2):  # two good steps, so the optimizer has moments and step counters
         out = trainer.train_step(trainer.stream.next())
-        assert not out["skipped"]
+        assert not out.skipped
         trainer.step += 1
     before = snapshot(trainer)
     out = trainer.train_step(trainer.stream.next())
-    assert out["skipped"] and "non-finite" in out["reason"]
-    assert ("loss" in out["reason"]) == (fault in ("nan_input", "inf_loss"))
+    assert out.skipped and "non-finite" in out.reason
+    assert ("loss" in out.reason) == (fault in ("nan_input", "inf_loss"))
     assert_identical(before, snapshot(trainer))
-    trainer.handle_skip(trainer.stream.next(), out, None)
     assert all(p.grad is None for p in trainer.model.parameters())  # gradients zeroed
-    assert trainer.budget.total == 1
+    assert trainer.budget.total == 1 and out.anomaly_path is not None and out.anomaly_path.is_file()
+    trainer.handle_skip(out)  # warns and localises; the budget is not spent
 
 
 def test_fault_run_skips_exactly_once(tmp_path, cache_dir):

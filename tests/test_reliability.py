@@ -34,6 +34,7 @@ import torch
 import torch.utils.data
 
 import wapstable.data
+import wapstable.stability.step_guard as step_guard
 import wapstable.trainer as trainer
 
 env = os.environ
@@ -47,18 +48,18 @@ def pause():
 
 if "PAUSE_AT_STEP" in env:
     at, now = int(env["PAUSE_AT_STEP"]), {}
-    train_step, clip = trainer.Trainer.train_step, trainer.clip_gradients_
+    train_step, plan = trainer.Trainer.train_step, step_guard.plan_clip
 
-    def step_hook(self, batch):
+    def step_hook(self, *args, **kwargs):
         now["step"] = self.step
-        return train_step(self, batch)
+        return train_step(self, *args, **kwargs)
 
-    def clip_hook(*args, **kwargs):
+    def plan_hook(*args, **kwargs):  # after backward, before the optimizer step
         if now.get("step") == at:
             pause()
-        return clip(*args, **kwargs)
+        return plan(*args, **kwargs)
 
-    trainer.Trainer.train_step, trainer.clip_gradients_ = step_hook, clip_hook
+    trainer.Trainer.train_step, step_guard.plan_clip = step_hook, plan_hook
 
 if "PAUSE_IN_SAVE" in env:
     at, save = int(env["PAUSE_IN_SAVE"]), torch.save

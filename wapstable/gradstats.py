@@ -128,7 +128,7 @@ class GradStats:
             )
         self.seconds += time.perf_counter() - t0
 
-    def finish(self, step: int, out: dict) -> None:
+    def finish(self, step: int, result) -> None:
         """After the optimizer step (or the skip): weights and update ratios, then one CSV write per step."""
         p = self.pending
         if p is None or p["step"] != step:
@@ -143,7 +143,7 @@ class GradStats:
         g_param = param_norm.square().sum().sqrt()
         g_delta = delta.square().sum().sqrt()
         extra = [g_param, g_delta]
-        if not out["skipped"]:  # the gradients now hold the clipped values
+        if not result.skipped:  # the gradients now hold the clipped values
             grads = [q.grad for q in params if q.grad is not None]
             if grads:
                 extra.append(torch.nn.utils.get_total_norm(grads, norm_type=self.norm_type).double())
@@ -151,15 +151,15 @@ class GradStats:
         glob = torch.cat([p["glob"], torch.stack(extra)]).tolist()
         threshold = self.threshold()
 
-        flags = [bool(out["clipped"]), bool(out["skipped"])]
+        flags = [bool(result.clipped), bool(result.skipped)]
         table = []
         for name, (gn, gmax, gmean, bad, pn, dn) in zip(p["names"], rows):
             table.append([step, name, gn, gmax, gmean, int(bad), pn, _ratio(dn, pn), 2, *flags])
         gmax, gmean, gbad, gpn, gdn = glob[:5]
         clipped_norm = glob[5] if len(glob) > 5 else None
         ratio, norm_name = _ratio(gdn, gpn), _norm_name(self.norm_type)
-        row = [step, GLOBAL, out["grad_norm"], gmax, gmean, int(gbad), gpn, ratio, norm_name, *flags]
-        table.append(row + [threshold, clipped_norm, out["loss"]])
+        row = [step, GLOBAL, result.grad_norm, gmax, gmean, int(gbad), gpn, ratio, norm_name, *flags]
+        table.append(row + [threshold, clipped_norm, result.loss])
         if self.path is not None:
             self.write_rows(table)
         if self.writer is not None:
@@ -301,78 +301,3 @@ def attention_image(
         y = top + (k // ncols) * (ph + cap + pad)
         draw.text((pad + (k % ncols) * (pw + pad), y + 1), caption, fill=(255, 220, 120))
     return np.asarray(out)
-
-
-# ---- overhead ----
-def measure_overhead(cfg, rounds: int = 8, pairs: int = 100) -> dict:
-    """The cost of the statistics at `cfg.stats`, measured two ways on the same trainer, in one process.
-
-    Blocks: each round draws `stats.every` batches and trains on them twice, stats on and off, alternating which
-    goes first; block times are compared by median and by mean (the brief's A/B figure; noisy on a busy machine).
-    Pairs: each batch is trained on twice more, once as a stats step and once as a plain step, back to back; the mean
-    extra time of a stats step over `every` plain steps is the overhead with the least drift (histogram steps come
-    at their usual rate among the stats steps). `hook_share` is the time spent inside the hooks over the block time.
-    """
-    from .trainer import Trainer
-
-    trainer = Trainer(cfg)
-    trainer.run_dir.mkdir(parents=True, exist_ok=True)
-    trainer.open_writer()
-    stats = trainer.stats
-    stats.writer = trainer.writer
-    every, hist_every = stats.every, stats.histogram_every
-    assert every > 0, "measure the overhead with stats.every > 0"
-    sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
-
-    def timed_steps(batches, on: bool, step: int) -> float:
-        stats.every, stats.histogram_every = (every, hist_every) if on else (0, 0)
-        trainer.step = step
-        sync()
-        t0 = time.perf_counter()
-        for batch in batches:
-            if trainer.train_step(batch)["skipped"]:
-                trainer.model.zero_grad(set_to_none=True)
-            trainer.step += 1
-        sync()
-        return time.perf_counter() - t0
-
-    def draw(n: int) -> list:
-        return [trainer.stream.next().to(trainer.device) for _ in range(n)]
-
-    timed_steps(draw(5), False, 1)  # warm-up
-    # Each arm keeps its own step counter, so the "on" arm meets stats and histogram steps at their usual rate.
-    on_times, off_times, on_step = [], [], 0
-    stats.seconds = 0.0
-    for r in range(rounds):
-        batches = draw(every)
-        for on in (True, False) if r % 2 == 0 else (False, True):
-            (on_times if on else off_times).append(timed_steps(batches, on, on_step if on else 1))
-        on_step += every
-    hook_share = stats.seconds / float(np.sum(on_times))
-
-    extra, plain = [], []
-    for k in range(pairs):
-        batch = draw(1)
-        t = {}
-        for due in (True, False) if k % 2 == 0 else (False, True):
-            t[due] = timed_steps(batch, True, k * every if due else k * every + 1)
-        extra.append(t[True] - t[False])
-        plain.append(t[False])
-    stats.every, stats.histogram_every = every, hist_every
-    trainer.writer.close()
-    step_s = float(np.median(plain))
-    on_med, off_med = float(np.median(on_times)), float(np.median(off_times))
-    return {
-        "device": str(trainer.device),
-        "threads": torch.get_num_threads(),
-        "every": every,
-        "histogram_every": hist_every,
-        "step_s": step_s,
-        "stats_step_extra_s": float(np.mean(extra)),
-        "paired_overhead": float(np.mean(extra)) / (every * step_s),
-        "hook_share": hook_share,
-        "block_ratio_median": on_med / off_med,
-        "block_ratio_mean": float(np.mean(on_times) / np.mean(off_times)),
-        "blocks_on_s": on_times,
-        "blocks_off_s": off_times,
-    }

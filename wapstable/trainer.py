@@ -29,16 +29,15 @@ from .runlock import run_lock
 from .signals import StopSignals
 from .stability.clipping import (
     AutoClipHistory,
-    clip_gradients_,
     clip_options,
-    grad_norm,
     mode_norm_type,
     scaled_threshold,
     validate_clip_config,
 )
 from .stability.faults import Fault
-from .stability.guard import SkipBudget, SpikeDetector, count_nonfinite_grads, nonfinite_flag
+from .stability.guard import SpikeDetector, count_nonfinite_grads
 from .stability.rollback import Rollback
+from .stability.step_guard import Outcome, StepGuard, StepResult
 from .vocab import Vocab
 
 log = logging.getLogger("wapstable")
@@ -247,14 +246,38 @@ class Trainer:
         output_params = set(self.model.output_layer_names())
         self.clip_skip = [p for n, p in self.model.named_parameters() if n in output_params]
         self.norm_type = mode_norm_type(cfg.clip.mode, cfg.clip.norm_type)
-        self.budget = SkipBudget(cfg.guard.max_consecutive_skips, cfg.guard.max_total_skips)
         self.spikes = SpikeDetector(cfg.guard.spike_window, cfg.guard.spike_zscore, cfg.guard.spike_warmup)
         self.fault = Fault(cfg.fault, self.dist.rank)
         self.rollback = Rollback(cfg.guard)
+        self.stats = GradStats(  # grad_stats.csv, histograms, attention images
+            cfg.stats,
+            self.run_dir if self.dist.is_main else None,  # only the main rank writes statistics
+            threshold=lambda: clip_threshold(self.cfg.clip, self.history, self.rollback.clip_scale),
+            norm_type=self.norm_type,
+        )
+        g = cfg.guard
+        self.guard = StepGuard(  # the same guard any PyTorch loop can use
+            self.model,
+            self.optimizer,
+            scheduler=self.scheduler,
+            clip=cfg.clip.mode,
+            **clip_options(cfg.clip, self.history, skip=self.clip_skip),
+            scaler=self.scaler,
+            skip_nonfinite=g.skip_nonfinite,
+            spikes=self.spikes if g.skip_spikes else None,
+            max_consecutive_skips=g.max_consecutive_skips,
+            max_total_skips=g.max_total_skips,
+            raise_on_exhausted=False,  # the trainer rolls back or stops, writing last.pt first
+            max_anomaly_checkpoints=g.max_anomaly_checkpoints if g.checkpoint_on_anomaly else 0,
+            write_anomaly=self.write_anomaly,
+            stats=self.stats,
+            reduce_flag=self.dist.any,
+            agree=self.dist.agree,
+        )
+        self.budget = self.guard.budget
         self.base_lrs = list(self.scheduler.base_lrs)  # before any back-off
         self.step = 0
         self.best = {"exprate": -1.0, "step": -1}
-        self.counters = {"clipped": 0, "accepted": 0, "scaler_skips": 0, "anomaly_checkpoints": 0}
         self.evals: list[dict] = []
         self.anomalies: list[dict] = []
         self.localization: dict | None = None
@@ -262,12 +285,6 @@ class Trainer:
         if self.resume_state is not None:
             self.load_state(self.resume_state)
         self.writer = None
-        self.stats = GradStats(  # grad_stats.csv, histograms, attention images
-            cfg.stats,
-            self.run_dir if self.dist.is_main else None,  # only the main rank writes statistics
-            threshold=lambda: clip_threshold(self.cfg.clip, self.history, self.rollback.clip_scale),
-            norm_type=self.norm_type,
-        )
 
     # ---- state ----
     def state(self) -> dict:
@@ -288,7 +305,7 @@ class Trainer:
             },
             "rollback": self.rollback.state_dict(),
             "best": dict(self.best),
-            "counters": dict(self.counters),
+            "counters": self.counters(),
             "evals": list(self.evals),
             "anomalies": list(self.anomalies),
             "elapsed": self.elapsed(),
@@ -309,11 +326,17 @@ class Trainer:
             self.rollback.load_state_dict(state["rollback"])
         self.apply_backoff()
         self.best = dict(state["best"])
-        self.counters.update(state["counters"])
+        c = state["counters"]
+        self.guard.accepted, self.guard.clipped = int(c["accepted"]), int(c["clipped"])
+        self.guard.scaler_skips, self.guard.anomaly_checkpoints = (
+            int(c["scaler_skips"]),
+            int(c["anomaly_checkpoints"]),
+        )
         self.evals = list(state["evals"])
         self.anomalies = list(state["anomalies"])
         self.elapsed_before = float(state.get("elapsed", 0.0))
         set_rng_state(state["rng"])
+        self.guard.refresh()
 
     def trusted_on_disk(self) -> dict | None:
         """The resumed run's checkpoints/trusted.pt (rollback only): a trusted state older than the resumed one."""
@@ -348,96 +371,54 @@ class Trainer:
         return save_checkpoint(self.state(), self.run_dir / "checkpoints" / f"{name}.pt")
 
     # ---- one step ----
-    def train_step(self, batch) -> dict:
-        """Forward, backward, guard, clip, step; returns the step's figures as Python numbers."""
-        cfg, step = self.cfg, self.step
-        self.fault.set_model(self.model, step)
-        self.model.train()
-        # BatchNorm updates its running statistics in forward: a skipped step must not keep them (a NaN batch would
-        # poison every later eval), so they are copied here and put back on a skip.
-        buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = forward_loss(self.ddp_model, batch, self.fault, step, cfg.trainer.precision)
-        self.scaler.scale(loss).backward()
-        self.scaler.unscale_(self.optimizer)
-        params = list(self.model.parameters())
-        total_norm = grad_norm(params, self.norm_type)
-        bad = self.dist.any(nonfinite_flag(loss, total_norm))  # all ranks take the same decision
-        loss_value, norm_value, bad_value = torch.stack(
-            [loss.detach().float(), total_norm.float(), bad.float()]
-        ).tolist()
-        out = {
-            "loss": loss_value,
-            "grad_norm": norm_value,
-            "skipped": False,
-            "clipped": False,
-            "reason": None,
+    def counters(self) -> dict:
+        g = self.guard
+        return {
+            "clipped": g.clipped,
+            "accepted": g.accepted,
+            "scaler_skips": g.scaler_skips,
+            "anomaly_checkpoints": g.anomaly_checkpoints,
         }
 
-        reason = None
-        if bad_value and cfg.guard.skip_nonfinite:
-            what = "loss" if not math.isfinite(loss_value) else "gradients"
-            n_bad, _ = count_nonfinite_grads(self.model.named_parameters())
-            reason = f"non-finite {what} ({n_bad} gradient tensors non-finite)"
-            if what == "gradients" and self.scaler.is_enabled() and self.scaler.get_scale() >= 1.0:
-                out["scaler_skip"] = True  # fp16 overflow: the GradScaler lowers its scale and tries again
-        elif cfg.guard.skip_spikes and not bad_value:
-            reason = self.spikes.check(loss_value, norm_value)
-            if self.dist.agree(reason is not None) and reason is None:  # each rank sees its own loss
-                reason = "loss or grad-norm spike on another rank"
-            out["spike"] = reason is not None
-        # Before clipping: the per-layer gradients as backward left them.
-        self.stats.capture(step, self.model, anomalous=bool(bad_value) or reason is not None)
-        if reason is not None:
-            out.update(skipped=True, reason=reason)
-            with torch.no_grad():
-                for b, saved in buffers:
-                    b.copy_(saved)
-            self.scaler.update()
-            self.stats.finish(step, out)
-            return out
-
+    def train_step(self, batch, rng_before: dict | None = None) -> StepResult:
+        """The model's forward (with the configured fault), then the guarded step: backward, the finite
+        decision, clipping, and the optimizer and scheduler step or a bit-exact skip."""
+        step = self.step
+        self.fault.set_model(self.model, step)
+        self.model.train()
+        loss = forward_loss(self.ddp_model, batch, self.fault, step, self.cfg.trainer.precision)
         lr_mult = self.fault.lr_multiplier(step)
-        if lr_mult != 1.0:
+
+        def spike_lr():  # lr_spike: this step's lr times fault.scale; the scheduler's step resets it
             for group in self.optimizer.param_groups:
                 group["lr"] *= lr_mult
-        opts = clip_options(cfg.clip, self.history, skip=self.clip_skip, scale=self.rollback.clip_scale)
-        _, clipped = clip_gradients_(params, cfg.clip.mode, total_norm=total_norm, **opts)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.scheduler.step()  # resets the lr from the schedule, which also undoes an lr_spike
-        if cfg.guard.skip_spikes:
-            self.spikes.update(loss_value, norm_value)
-        out["clipped"] = bool(clipped) if cfg.clip.mode != "none" else False
-        self.stats.finish(step, out)
-        return out
 
-    def handle_skip(self, batch, out: dict, rng_before: dict) -> None:
-        """A skipped step: warn, count, write the anomaly checkpoint, localise the first one, check the budget."""
+        self.guard.steps = step
+        return self.guard.step(
+            loss, batch=batch, rng_before=rng_before, before_update=spike_lr if lr_mult != 1.0 else None
+        )
+
+    def handle_skip(self, result: StepResult) -> None:
+        """A skipped step: warn, localise the first anomaly, and when the budget is spent roll back or stop."""
         cfg = self.cfg
-        scaler_skip = out.get("scaler_skip", False)
-        if scaler_skip:
-            self.counters["scaler_skips"] += 1
+        if result.outcome is Outcome.SCALER:
             log.info(
                 "step %d: fp16 overflow, GradScaler lowers its scale to %g",
                 self.step,
                 self.scaler.get_scale(),
             )
-        else:
-            self.budget.record(True, spike=out.get("spike", False))
-            log.warning("step %d skipped: %s", self.step, out["reason"])
-            if (
-                cfg.guard.checkpoint_on_anomaly
-                and self.counters["anomaly_checkpoints"] < cfg.guard.max_anomaly_checkpoints
-            ):
-                path = self.write_anomaly(batch, out, rng_before)
-                if path is not None and self.localization is None and cfg.guard.localize:
-                    self.localize(path)
-        self.model.zero_grad(set_to_none=True)
-        if not scaler_skip and self.budget.exhausted():
-            reason = self.budget.exhausted()
-            if self.counters["anomaly_checkpoints"] == 0 or not cfg.guard.checkpoint_on_anomaly:
-                self.write_anomaly(batch, out, rng_before)
+            return
+        log.warning("step %d skipped: %s", self.step, result.reason)
+        path = result.anomaly_path
+        if (
+            path is not None
+            and self.localization is None
+            and cfg.guard.localize
+            and cfg.guard.checkpoint_on_anomaly
+        ):
+            self.localize(path)
+        if result.budget_exhausted:
+            reason = result.budget_exhausted
             if self.rollback.can_roll_back() and self.roll_back(reason):
                 return
             if self.rollback.events:
@@ -456,6 +437,8 @@ class Trainer:
         for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
             group["lr"] = base * factor
         self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        opts = clip_options(self.cfg.clip, self.history, skip=self.clip_skip, scale=self.rollback.clip_scale)
+        self.guard.set_clip(**opts)
 
     def roll_back(self, reason: str) -> bool:
         """Restore the newest trusted state, back off lr and clip threshold, keep the data stream going."""
@@ -473,6 +456,7 @@ class Trainer:
         self.rollback.back_off()
         self.apply_backoff()
         self.budget.consecutive = 0
+        self.guard.refresh()
         event = {
             "step": self.step,
             "restored_step": int(state["step"]),
@@ -501,7 +485,7 @@ class Trainer:
             self.writer.add_text("guard/rollbacks", json.dumps(event), self.step)
         return True
 
-    def write_anomaly(self, batch, out: dict, rng_before: dict) -> Path | None:
+    def write_anomaly(self, result: StepResult, batch, rng_before: dict) -> Path | None:
         """anomalies/step-N.pt: the state before the step, its RNG, the offending batch and per-layer figures."""
         per_layer_norm = {
             name: float(p.grad.detach().float().norm())
@@ -511,22 +495,23 @@ class Trainer:
         _, per_layer_bad = count_nonfinite_grads(self.model.named_parameters())
         record = {
             "step": self.step,
-            "reason": out["reason"],
-            "loss": out["loss"],
-            "grad_norm": out["grad_norm"],
+            "reason": result.reason,
+            "loss": result.loss,
+            "grad_norm": result.grad_norm,
         }
         if self.dist.enabled:  # collectives: every rank gets here, since all ranks skip together
             # This rank's own view: DDP averaged the gradients, so after backward a NaN is on every rank.
-            seen = not math.isfinite(out["loss"]) or self.dist.local_grads_nonfinite
+            seen = not math.isfinite(result.loss) or self.dist.local_grads_nonfinite
             record["ranks"] = self.dist.ranks_with(seen)
             src = record["ranks"][0] if record["ranks"] else 0
             if src != 0:  # rank 0 writes the checkpoint: it takes the batch and loss of the rank that saw it
-                mine = (type(batch)(*(t.cpu() for t in batch[:4]), batch.ids), out["loss"], out["reason"])
+                mine = (type(batch)(*(t.cpu() for t in batch[:4]), batch.ids), result.loss, result.reason)
                 theirs = self.dist.from_rank(src, mine if self.dist.rank == src else None)
                 batch, record["loss"], record["reason"] = theirs
             record["batch_rank"] = src  # replay applies that rank's share of the fault
-        self.anomalies.append(record)
-        self.counters["anomaly_checkpoints"] += 1  # on every rank: the next skip's collectives depend on it
+        self.anomalies.append(
+            record
+        )  # the guard counts it on every rank: the next skip's collectives depend on it
         if not self.dist.is_main:
             return None
         state = self.state()
@@ -649,15 +634,11 @@ class Trainer:
                     t0 = time.perf_counter()
                     batch = self.stream.next().to(self.device)
                     rng_before = rng_state() if cfg.guard.checkpoint_on_anomaly else None
-                    out = self.train_step(batch)
+                    out = self.train_step(batch, rng_before)
                     self.fault.preempt(self.step)
-                    self.rollback.note_step(self.step, out["skipped"] and not out.get("scaler_skip"))
-                    if out["skipped"]:
-                        self.handle_skip(batch, out, rng_before)
-                    else:
-                        self.budget.record(False)
-                        self.counters["accepted"] += 1
-                        self.counters["clipped"] += out["clipped"]
+                    self.rollback.note_step(self.step, out.counted)
+                    if out.skipped:
+                        self.handle_skip(out)
                     self.step += 1
                     step_times.append(time.perf_counter() - t0)
                     self.log_step(out, progress)
@@ -697,24 +678,22 @@ class Trainer:
             return {"stopped_at": self.step, "preempted": True, "exit_code": signals.exit_code}
         return self.final_metrics()
 
-    def log_step(self, out: dict, progress) -> None:
+    def log_step(self, out: StepResult, progress) -> None:
         lr = self.optimizer.param_groups[0]["lr"]
         if self.dist.is_main:
-            self.scalar("train/loss", out["loss"], self.step)
-            self.scalar("train/grad_norm", out["grad_norm"], self.step)
+            self.scalar("train/loss", out.loss, self.step)
+            self.scalar("train/grad_norm", out.grad_norm, self.step)
             self.scalar("train/lr", lr, self.step)
-            self.scalar("train/clipped", float(out["clipped"]), self.step)
-            self.scalar("train/skipped", float(out["skipped"]), self.step)
+            self.scalar("train/clipped", float(out.clipped), self.step)
+            self.scalar("train/skipped", float(out.skipped), self.step)
         if progress is not None:
             progress.update(1)
-            if self.step % self.cfg.trainer.log_every == 0 or out["skipped"]:
+            if self.step % self.cfg.trainer.log_every == 0 or out.skipped:
                 progress.set_postfix(
-                    loss=f"{out['loss']:.3f}", gnorm=f"{out['grad_norm']:.3g}", skipped=self.budget.total
+                    loss=f"{out.loss:.3f}", gnorm=f"{out.grad_norm:.3g}", skipped=self.budget.total
                 )
         if self.step % self.cfg.trainer.log_every == 0:
-            log.debug(
-                "step %d loss %.4f grad_norm %.4g lr %.3g", self.step, out["loss"], out["grad_norm"], lr
-            )
+            log.debug("step %d loss %.4f grad_norm %.4g lr %.3g", self.step, out.loss, out.grad_norm, lr)
 
     def run_eval(self, progress) -> None:
         result = self.evaluate("valid")
@@ -747,7 +726,8 @@ class Trainer:
         if best_path.is_file():
             self.model.load_state_dict(load_checkpoint(best_path)["model"])
         test = self.evaluate("test", beam_size=cfg.decode.final_beam_size)
-        accepted = max(1, self.counters["accepted"])
+        counters = self.counters()
+        accepted = max(1, counters["accepted"])
         metrics = {
             "steps": self.step,
             "stopped_by_time": self.stopped_by_time,
@@ -759,13 +739,13 @@ class Trainer:
             "test_exprate": test["exprate"],
             "test_wer": test["wer"],
             "test_within_1": test["within_1"],
-            "skipped_steps": self.budget.total + self.counters["scaler_skips"],
+            "skipped_steps": self.budget.total + counters["scaler_skips"],
             "skipped_nonfinite": self.budget.nonfinite,
             "skipped_spikes": self.budget.spikes,
-            "scaler_skips": self.counters["scaler_skips"],
-            "anomaly_checkpoints": self.counters["anomaly_checkpoints"],
+            "scaler_skips": counters["scaler_skips"],
+            "anomaly_checkpoints": counters["anomaly_checkpoints"],
             "anomalies": self.anomalies,
-            "clip_fraction": self.counters["clipped"] / accepted,
+            "clip_fraction": counters["clipped"] / accepted,
             "localization": self.localization,
             "rollbacks": self.rollback.events,
             "evals": self.evals,

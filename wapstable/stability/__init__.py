@@ -1,5 +1,19 @@
-"""What keeps a run alive: gradient clipping, the non-finite/spike guard, deliberate faults, anomaly replay."""
+"""What keeps a run alive: the step guard, gradient clipping, spike detection, deliberate faults, anomaly replay.
+
+`StepGuard` is the piece to use from any PyTorch loop (see `examples/plain_loop.py`).
+"""
 
 from .clipping import AutoClipHistory, clip_gradients, grad_norm
+from .guard import SkipBudget, SpikeDetector
+from .step_guard import Outcome, StepGuard, StepResult
 
-__all__ = ["AutoClipHistory", "clip_gradients", "grad_norm"]
+__all__ = [
+    "AutoClipHistory",
+    "Outcome",
+    "SkipBudget",
+    "SpikeDetector",
+    "StepGuard",
+    "StepResult",
+    "clip_gradients",
+    "grad_norm",
+]

@@ -1,10 +1,12 @@
 """Gradient clipping: one dispatch point (`clip_gradients`), one short function per mode.
 
-Every mode returns the total gradient norm *before* clipping, as a tensor on the gradients' device (no host
-synchronisation), and a device flag saying whether it changed any gradient.
+Every mode first plans (`plan_clip`): the total gradient norm *before* clipping, as a tensor on the gradients'
+device, and a device flag saying whether clipping will change any gradient, with no host synchronisation; then
+`apply()` clips. The guard reads the flag in its one sync and applies the plan only to a step it takes.
 """
 
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import torch
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
@@ -41,10 +43,17 @@ class AutoClipHistory:
         self.buffer[self.count % self.size] = norm.detach().float()
         self.count += 1
 
-    def percentile(self, p: float) -> torch.Tensor:
-        """The p-th percentile (linear interpolation, as numpy.percentile) of the norms seen so far."""
-        n = min(self.count, self.size)
-        return torch.quantile(self.buffer[:n], p / 100.0)
+    def percentile(self, p: float, including: torch.Tensor | None = None) -> torch.Tensor:
+        """The p-th percentile (linear interpolation, as numpy.percentile) of the norms seen so far, and of
+        `including` as if it had been appended (the buffer itself is left as it is)."""
+        buffer, count = self.buffer, self.count
+        if including is not None:
+            if buffer.device != including.device:
+                buffer = buffer.to(including.device)
+            buffer = buffer.clone()
+            buffer[count % self.size] = including.detach().float()
+            count += 1
+        return torch.quantile(buffer[: min(count, self.size)], p / 100.0)
 
     def state_dict(self) -> dict:
         return {"buffer": self.buffer.cpu().clone(), "count": self.count, "size": self.size}
@@ -54,21 +63,32 @@ class AutoClipHistory:
         self.buffer = state["buffer"].clone()
 
 
-def _clip_none(params, grads, total_norm, **_):
-    return total_norm, torch.zeros((), dtype=torch.bool, device=total_norm.device)
+class ClipPlan(NamedTuple):
+    """A mode's decision, computed before the guard's one host sync, and the clipping to do if the step is taken.
+
+    `flag` (a device bool: will clipping change a gradient) is read together with the finite flag, so knowing
+    whether a step was clipped costs no second sync; `apply()` clips in place and touches no state before it runs,
+    so a skipped step leaves the gradients as backward made them (for the anomaly checkpoint's per-layer figures)
+    and the AutoClip history unchanged.
+    """
+
+    flag: torch.Tensor
+    apply: Callable[[], None]
 
 
-def _clip_norm(params, grads, total_norm, max_norm: float, norm_type: float = 2.0, **_):
+def _plan_none(params, grads, total_norm, **_):
+    return ClipPlan(torch.zeros((), dtype=torch.bool, device=total_norm.device), lambda: None)
+
+
+def _plan_norm(params, grads, total_norm, max_norm: float, norm_type: float = 2.0, **_):
     """Global-norm clipping, exactly `torch.nn.utils.clip_grad_norm_` (Pascanu et al. 2013)."""
-    clip_grads_with_norm_(params, max_norm, total_norm)
-    return total_norm, total_norm > max_norm
+    return ClipPlan(total_norm > max_norm, lambda: clip_grads_with_norm_(params, max_norm, total_norm))
 
 
-def _clip_value(params, grads, total_norm, value: float, **_):
+def _plan_value(params, grads, total_norm, value: float, **_):
     """Elementwise clamp to +-value, exactly `torch.nn.utils.clip_grad_value_`."""
     largest = get_total_norm(grads, norm_type=float("inf"))
-    torch.nn.utils.clip_grad_value_(params, value)
-    return total_norm, largest > value
+    return ClipPlan(largest > value, lambda: torch.nn.utils.clip_grad_value_(params, value))
 
 
 def _unitwise_norm(x: torch.Tensor) -> torch.Tensor:
@@ -78,41 +98,50 @@ def _unitwise_norm(x: torch.Tensor) -> torch.Tensor:
     return x.norm(p=2, dim=tuple(range(1, x.ndim)), keepdim=True)
 
 
-def _clip_agc(params, grads, total_norm, factor: float = 0.01, eps: float = 1e-3, skip=(), **_):
+def _plan_agc(params, grads, total_norm, factor: float = 0.01, eps: float = 1e-3, skip=(), **_):
     """Adaptive gradient clipping (Brock et al. 2021, "High-Performance Large-Scale Image Recognition Without
     Normalization"): per unit, if |G|/max(|W|, eps) > factor, rescale G to factor*max(|W|, eps)."""
     skip_ids = {id(p) for p in skip}
     clipped = torch.zeros((), dtype=torch.bool, device=total_norm.device)
+    scales = []
     for p, g in zip(params, grads):
         if id(p) in skip_ids:
             continue
         max_norm = _unitwise_norm(p.detach()).clamp_min(eps) * factor
         g_norm = _unitwise_norm(g)
         over = g_norm > max_norm
-        g.mul_(torch.where(over, max_norm / g_norm.clamp_min(1e-6), torch.ones_like(g_norm)))
+        scales.append((g, torch.where(over, max_norm / g_norm.clamp_min(1e-6), torch.ones_like(g_norm))))
         clipped |= over.any()
-    return total_norm, clipped
+
+    def apply():
+        for g, scale in scales:
+            g.mul_(scale)
+
+    return ClipPlan(clipped, apply)
 
 
-def _clip_autoclip(
+def _plan_autoclip(
     params, grads, total_norm, percentile: float = 10.0, history: AutoClipHistory | None = None, **_
 ):
     """AutoClip (Seetharaman et al. 2020): clip the global norm to the p-th percentile of all norms seen so far,
-    this step's included."""
+    this step's included (it joins the history only if the step is taken)."""
     assert history is not None, "autoclip needs a history"
-    history.append(total_norm)
-    threshold = history.percentile(percentile)
-    clip_grads_with_norm_(params, threshold, total_norm)
-    return total_norm, total_norm > threshold
+    threshold = history.percentile(percentile, including=total_norm)
+
+    def apply():
+        history.append(total_norm)
+        clip_grads_with_norm_(params, threshold, total_norm)
+
+    return ClipPlan(total_norm > threshold, apply)
 
 
-CLIP_MODES: dict[str, Callable] = {
-    "none": _clip_none,
-    "norm": _clip_norm,
-    "value": _clip_value,
-    "inf": lambda params, grads, total_norm, max_norm, **kw: _clip_norm(params, grads, total_norm, max_norm),
-    "agc": _clip_agc,
-    "autoclip": _clip_autoclip,
+CLIP_MODES: dict[str, Callable[..., ClipPlan]] = {
+    "none": _plan_none,
+    "norm": _plan_norm,
+    "value": _plan_value,
+    "inf": lambda params, grads, total_norm, max_norm, **kw: _plan_norm(params, grads, total_norm, max_norm),
+    "agc": _plan_agc,
+    "autoclip": _plan_autoclip,
 }
 
 
@@ -121,19 +150,28 @@ def mode_norm_type(mode: str, norm_type: float = 2.0) -> float:
     return float("inf") if mode == "inf" else float(norm_type) if mode == "norm" else 2.0
 
 
-def clip_gradients_(
+def plan_clip(
     parameters: Iterable[torch.Tensor], mode: str, total_norm: torch.Tensor | None = None, **options
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clip in place; returns (total norm before clipping, flag: did clipping change a gradient)."""
+) -> tuple[torch.Tensor, ClipPlan]:
+    """The total norm (computed unless given) and the mode's plan; nothing is changed until `plan.apply()`."""
     if mode not in CLIP_MODES:
         raise UserError(f"clip.mode={mode!r} is unknown; use one of {', '.join(CLIP_MODES)}")
     params, grads = _grads(parameters)
     if not grads:
         zero = torch.tensor(0.0)
-        return zero, zero > 0
+        return zero, ClipPlan(zero > 0, lambda: None)
     if total_norm is None:
         total_norm = get_total_norm(grads, norm_type=mode_norm_type(mode, options.get("norm_type", 2.0)))
-    return CLIP_MODES[mode](params, grads, total_norm, **options)
+    return total_norm, CLIP_MODES[mode](params, grads, total_norm, **options)
+
+
+def clip_gradients_(
+    parameters: Iterable[torch.Tensor], mode: str, total_norm: torch.Tensor | None = None, **options
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip in place; returns (total norm before clipping, flag: did clipping change a gradient)."""
+    total_norm, plan = plan_clip(parameters, mode, total_norm, **options)
+    plan.apply()
+    return total_norm, plan.flag
 
 
 def clip_gradients(parameters: Iterable[torch.Tensor], mode: str, **options) -> torch.Tensor:
