@@ -74,6 +74,10 @@ def test_bench_quick(tmp_path, cache_dir):
         "statistics vs guard",
         "stable vs naive attention",
         "data wait share",
+        "guard vs plain loop (default)",  # --quick leaves out model=densewap
     }
+    r = res["guard_vs_plain"]["default"]
+    assert r["plain + clip"]["ratio"]["median"] == 1.0 and positive(r["guarded"]["ratio"]["median"])
+    assert "| guard against a plain loop with the same clipping |" in proc.stdout
     for t in res["targets"].values():
         assert positive(t["value"]) and isinstance(t["met"], bool)
