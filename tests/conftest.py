@@ -53,3 +53,33 @@ def run_train(args, run_dir, cache_dir, check=True, timeout=600, env_extra=None,
             f"train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
         )
     return proc
+
+
+def run_multirun(args, sweep_dir, cache_dir, check=True, timeout=1200):
+    """`python train.py -m` with tiny settings into `sweep_dir` (one process, every job in it)."""
+    cmd = [sys.executable, str(ROOT / "train.py"), "-m", *TINY, f"hydra.sweep.dir={sweep_dir}", *args]
+    env = {**os.environ, "WAPSTABLE_CACHE": str(cache_dir), "HYDRA_FULL_ERROR": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"train.py -m failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
+    return proc
+
+
+def assert_identical(a, b, path=""):
+    """Nested states (tensors, dicts, lists, numbers) equal bit for bit; the path names the first difference."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            assert_identical(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import TINY, compose_config, run_train
+from conftest import TINY, assert_identical, compose_config, run_train
 
 from wapstable.stability.guard import SkipBudget, SpikeDetector
 from wapstable.trainer import Trainer
@@ -27,21 +27,6 @@ def snapshot(trainer):
             "lr": [g["lr"] for g in trainer.optimizer.param_groups],
         }
     )
-
-
-def assert_identical(a, b, path=""):
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for k in a:
-            assert_identical(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_identical(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, path
 
 
 @pytest.mark.parametrize("optim", ["adadelta", "adam", "sgd"])

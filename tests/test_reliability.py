@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, run_train
+from conftest import ROOT, TINY, run_multirun, run_train
 
 from wapstable.checkpoint import load_checkpoint, save_checkpoint
 from wapstable.trainer import resolve_resume
@@ -301,22 +301,8 @@ def test_a_preempted_submitit_job_requeues_itself_and_finishes_bit_identical(tmp
     straight = tmp_path / "straight"
     run_train(COMMON, straight, cache_dir)
     sweep = tmp_path / "sweep"
-    cmd = [
-        sys.executable,
-        "train.py",
-        "-m",
-        *TINY,
-        *COMMON,
-        "resume=auto",
-        "fault=preempt",
-        "fault.step=5",
-        "hydra/launcher=submitit_local",
-        "hydra.launcher.timeout_min=5",
-        f"hydra.sweep.dir={sweep}",
-    ]
-    env = {**os.environ, "WAPSTABLE_CACHE": str(cache_dir), "HYDRA_FULL_ERROR": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    args = [*COMMON, "resume=auto", "fault=preempt", "fault.step=5", "hydra/launcher=submitit_local"]
+    run_multirun([*args, "hydra.launcher.timeout_min=5"], sweep, cache_dir)
     logs = "".join(p.read_text() for p in sorted((sweep / ".submitit").rglob("*_log.*")))
     assert "SIGUSR2: checkpoint written at step 6" in logs and "Requeued job" in logs, logs[-3000:]
     assert "resuming from" in logs

@@ -1,13 +1,10 @@
 """guard.on_budget_exhausted=rollback through the real train.py: restore, back off, carry on, within bounds."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import ROOT, TINY, run_train
+from conftest import run_multirun, run_train
 
 SPIKE = [
     "fault=lr_spike",
@@ -79,22 +76,14 @@ def finite(state: dict) -> bool:
 
 def rollback_sweep(args, sweep_dir, cache_dir):
     """Many rollback runs in one `train.py -m` process (each job a run directory under `sweep_dir`)."""
-    cmd = [
-        sys.executable,
-        str(ROOT / "train.py"),
-        "-m",
-        *TINY,
+    common = [
         "fault=lr_spike",
         "trainer.eval_every=500",
         "guard.max_consecutive_skips=2",
         "guard.on_budget_exhausted=rollback",
         "guard.localize=false",
-        f"hydra.sweep.dir={sweep_dir}",
-        *args,
     ]
-    env = {**os.environ, "WAPSTABLE_CACHE": str(cache_dir), "HYDRA_FULL_ERROR": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    run_multirun([*common, *args], sweep_dir, cache_dir)
     return sorted(
         (p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)
     )

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, assert_identical
 from torch import nn
 
 from wapstable.checkpoint import load_checkpoint
@@ -49,20 +49,6 @@ def everything(model, optimizer, scheduler):
     )
 
 
-def assert_same(a, b, path=""):
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for k in a:
-            assert_same(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, list | tuple):
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, path
-
-
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("optim", ["adam", "sgd"])
 def test_a_nan_batch_is_skipped_bit_exactly(mode, optim, tmp_path):
@@ -84,14 +70,14 @@ def test_a_nan_batch_is_skipped_bit_exactly(mode, optim, tmp_path):
             assert (
                 result.outcome is Outcome.NONFINITE and result.skipped and "non-finite loss" in result.reason
             )
-            assert_same(
+            assert_identical(
                 before, everything(model, opt, sched)
             )  # weights, BatchNorm buffers, moments, schedule
-            assert_same(history_before, guard.history.state_dict())  # the AutoClip history too
+            assert_identical(history_before, guard.history.state_dict())  # the AutoClip history too
             assert all(p.grad is None for p in model.parameters())
             saved = load_checkpoint(result.anomaly_path)
             assert torch.isnan(saved["anomaly"]["batch"][0]).any() and saved["step"] == 3
-            assert_same(saved["model"], before["model"])
+            assert_identical(saved["model"], before["model"])
             assert saved["anomaly"]["nonfinite_counts"] and "torch" in saved["rng"]
         else:
             assert not result.skipped
@@ -115,8 +101,8 @@ def test_a_taken_step_equals_the_plain_loop(mode):
         nn.functional.mse_loss(b(x), y).backward()
         clip_gradients_(b.parameters(), mode, **options)
         opt_b.step()
-    assert_same(a.state_dict(), b.state_dict())
-    assert_same(opt_a.state_dict(), opt_b.state_dict())
+    assert_identical(a.state_dict(), b.state_dict())
+    assert_identical(opt_a.state_dict(), opt_b.state_dict())
     assert any(clipped) == (mode != "none")  # the thresholds above clip at least once
 
 

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from . import distributed
@@ -38,54 +37,10 @@ from .stability.faults import Fault
 from .stability.guard import SpikeDetector, count_nonfinite_grads
 from .stability.rollback import Rollback
 from .stability.step_guard import Outcome, StepGuard, StepResult
+from .train.step import autocast, counting_loss, forward_loss, resolve_device, sequence_loss  # noqa: F401
 from .vocab import Vocab
 
 log = logging.getLogger("wapstable")
-
-
-def sequence_loss(logits: torch.Tensor, targets: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
-    """WAP's cost: negative log-likelihood summed over the tokens of each label, averaged over the batch."""
-    nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")  # (B*T,)
-    return (nll.view_as(target_mask) * target_mask).sum() / targets.shape[0]
-
-
-def counting_loss(counts: torch.Tensor, targets: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
-    """CAN's counting loss: smooth L1 between predicted and true symbol counts, summed over the vocabulary (the
-    end token `<eol>` left out) and averaged over the batch, like the sequence loss."""
-    truth = torch.zeros_like(counts).scatter_add_(1, targets, target_mask.to(counts.dtype))  # (B, V)
-    return F.smooth_l1_loss(counts[:, 1:], truth[:, 1:], reduction="sum") / targets.shape[0]
-
-
-def forward_loss(model, batch, fault: Fault | None = None, step: int = -1, precision: str = "32"):
-    """The training loss of one batch, with the configured fault applied (used by training and by replay):
-    the sequence loss, plus `model.counting` x the counting loss when the model has a counting head."""
-    images = fault.batch(batch.images, step) if fault else batch.images
-    core = model.module if hasattr(model, "module") else model  # DDP wraps the WAP
-    weight = float(getattr(core, "counting_weight", 0.0))
-    with autocast(images.device, precision):
-        out = model(images, batch.image_mask, batch.targets, batch.target_mask, with_counts=weight > 0)
-    logits, counts = out if weight > 0 else (out, None)
-    loss = sequence_loss(logits, batch.targets, batch.target_mask)
-    if counts is not None:
-        loss = loss + weight * counting_loss(counts, batch.targets, batch.target_mask)
-    return fault.loss(loss, step) if fault else loss
-
-
-def autocast(device: torch.device, precision: str):
-    if precision == "32":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("trainer.device=cuda but no CUDA device is available; use trainer.device=cpu or auto")
-    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
-        raise UserError(f"trainer.device={name!r} is unknown; use auto, cpu or cuda")
-    return torch.device(name)
 
 
 def effective_config(cfg: DictConfig, saved: dict, overrides: list[str]) -> DictConfig:
@@ -228,6 +183,7 @@ class Trainer:
         self.ddp_model = self.dist.wrap(self.model)
         self.optimizer = build_optimizer(cfg.optim, self.model.parameters())
         self.elapsed_before = 0.0  # training seconds of the runs this one resumes
+        self.start_time: float | None = None  # when fit began
         self.scheduler = build_scheduler(cfg.optim, self.optimizer, cfg.trainer.max_steps, self.time_done)
         self.stream = BatchStream(
             self.splits["train"],
@@ -361,7 +317,7 @@ class Trainer:
         return self.cfg.trainer.max_minutes > 0 and self.dist.agree(self.time_done() >= 1.0)
 
     def elapsed(self) -> float:
-        return self.elapsed_before + (time.time() - self.start_time if hasattr(self, "start_time") else 0.0)
+        return self.elapsed_before + (time.time() - self.start_time if self.start_time is not None else 0.0)
 
     def save(self, name: str) -> Path | None:
         if not self.dist.is_main:
@@ -586,7 +542,28 @@ class Trainer:
 
     # ---- the loop ----
     def fit(self) -> dict:
-        cfg, t = self.cfg, self.cfg.trainer
+        """Guarded steps, each followed by its events (consistency check, evaluation, snapshot, checkpoint), until
+        trainer.max_steps, the time budget or a stop signal; then the final test (or, after a signal, last.pt and
+        the hand-over to the cluster's requeue)."""
+        t = self.cfg.trainer
+        self.begin()
+        signals, progress = StopSignals(), self.progress_bar()
+        try:
+            with self.anomaly_detection(), signals:
+                time_up = self.time_up()
+                while self.step < t.max_steps and not time_up:
+                    self.log_step(self.train_one(), progress)
+                    time_up = self.after_step(progress)
+                    if self.dist.agree(signals.received is not None):  # all ranks stop after the same step
+                        return self.stop_for(signals)
+        finally:
+            if progress is not None:
+                progress.close()
+        return self.final_metrics()
+
+    def begin(self) -> None:
+        """Refuse to overwrite another run, create the run directory, open the logs, trust the starting state."""
+        cfg = self.cfg
         if self.fresh_over_existing:  # checked after every other input, so those errors come first
             raise UserError(
                 f"{self.run_dir} already holds a run (checkpoints/last.pt); continue it with resume=auto, or "
@@ -606,77 +583,66 @@ class Trainer:
             cfg.optim.lr,
             cfg.clip.mode,
             self.device,
-            t.precision,
+            cfg.trainer.precision,
         )
-        signals = StopSignals()  # every rank: SLURM and torchrun signal them all
-        stopped = False
-        progress = None
-        if t.progress and self.dist.is_main:
-            from tqdm import tqdm
-
-            # Under a time budget the step total is only a cap: say so, since the bar's ETA counts steps.
-            desc = (
-                f"train (ends at {t.max_minutes:g} min or step {t.max_steps})"
-                if t.max_minutes > 0
-                else "train"
-            )
-            progress = tqdm(total=t.max_steps, initial=self.step, desc=desc, dynamic_ncols=True)
-        anomaly_ctx = (
-            torch.autograd.detect_anomaly() if cfg.guard.detect_anomaly else contextlib.nullcontext()
-        )
-        step_times = []
         self.dist.check_consistency(self.model, self.step)  # same step and weights on every rank (DDP only)
         self.rollback.start(self.state, on_disk=self.trusted_on_disk())
-        try:
-            with anomaly_ctx, signals:
-                time_up = self.time_up()
-                while self.step < t.max_steps and not time_up:
-                    t0 = time.perf_counter()
-                    batch = self.stream.next().to(self.device)
-                    rng_before = rng_state() if cfg.guard.checkpoint_on_anomaly else None
-                    out = self.train_step(batch, rng_before)
-                    self.fault.preempt(self.step)
-                    self.rollback.note_step(self.step, out.counted)
-                    if out.skipped:
-                        self.handle_skip(out)
-                    self.step += 1
-                    step_times.append(time.perf_counter() - t0)
-                    self.log_step(out, progress)
-                    if self.dist.should_check(self.step, t.consistency_every):
-                        self.dist.check_consistency(self.model, self.step)
-                    time_up = self.time_up()
-                    last = self.step == t.max_steps or time_up
-                    if time_up:
-                        self.stopped_by_time = True
-                        message = (
-                            f"trainer.max_minutes={t.max_minutes:g} spent: training ends at step {self.step}"
-                        )
-                        if progress is not None:
-                            progress.write(message)
-                        log.info(message)
-                    checkpoint_now = self.step % t.checkpoint_every == 0 or last
-                    self.rollback.maybe_snapshot(self.step, self.state, checkpoint_now)  # on every rank
-                    if self.step % t.eval_every == 0 or last:
-                        self.run_eval(progress)
-                    if checkpoint_now:
-                        self.save("last")
-                    if self.dist.agree(signals.received is not None):  # all ranks stop after the same step
-                        stopped = True
-                        self.save("last")
-                        log.warning(
-                            "%s: checkpoint written at step %d; resume with resume=auto",
-                            signals.name,
-                            self.step,
-                        )
-                        break
-        finally:
+
+    def progress_bar(self):
+        t = self.cfg.trainer
+        if not (t.progress and self.dist.is_main):
+            return None
+        from tqdm import tqdm
+
+        # Under a time budget the step total is only a cap: say so, since the bar's ETA counts steps.
+        desc = (
+            f"train (ends at {t.max_minutes:g} min or step {t.max_steps})" if t.max_minutes > 0 else "train"
+        )
+        return tqdm(total=t.max_steps, initial=self.step, desc=desc, dynamic_ncols=True)
+
+    def anomaly_detection(self):
+        return torch.autograd.detect_anomaly() if self.cfg.guard.detect_anomaly else contextlib.nullcontext()
+
+    def train_one(self) -> StepResult:
+        """Draw a batch and take one guarded step; a skip is warned about, and may roll back or stop the run."""
+        batch = self.stream.next().to(self.device)
+        rng_before = rng_state() if self.cfg.guard.checkpoint_on_anomaly else None
+        out = self.train_step(batch, rng_before)
+        self.fault.preempt(self.step)
+        self.rollback.note_step(self.step, out.counted)
+        if out.skipped:
+            self.handle_skip(out)
+        self.step += 1
+        return out
+
+    def after_step(self, progress) -> bool:
+        """The events after a step; returns whether the time budget is spent."""
+        t = self.cfg.trainer
+        if self.dist.should_check(self.step, t.consistency_every):
+            self.dist.check_consistency(self.model, self.step)
+        time_up = self.time_up()
+        last = self.step == t.max_steps or time_up
+        if time_up:
+            self.stopped_by_time = True
+            message = f"trainer.max_minutes={t.max_minutes:g} spent: training ends at step {self.step}"
             if progress is not None:
-                progress.close()
-        if stopped:
-            self.finish_logs()
-            signals.hand_over()  # under submitit: requeue the job and exit
-            return {"stopped_at": self.step, "preempted": True, "exit_code": signals.exit_code}
-        return self.final_metrics()
+                progress.write(message)
+            log.info(message)
+        checkpoint_now = self.step % t.checkpoint_every == 0 or last
+        self.rollback.maybe_snapshot(self.step, self.state, checkpoint_now)  # on every rank
+        if self.step % t.eval_every == 0 or last:
+            self.run_eval(progress)
+        if checkpoint_now:
+            self.save("last")
+        return time_up
+
+    def stop_for(self, signals: StopSignals) -> dict:
+        """SIGTERM or the preemption signal: last.pt now, then submitit's requeue (or the caller's exit code)."""
+        self.save("last")
+        log.warning("%s: checkpoint written at step %d; resume with resume=auto", signals.name, self.step)
+        self.finish_logs()
+        signals.hand_over()  # under submitit: requeue the job and exit
+        return {"stopped_at": self.step, "preempted": True, "exit_code": signals.exit_code}
 
     def log_step(self, out: StepResult, progress) -> None:
         lr = self.optimizer.param_groups[0]["lr"]

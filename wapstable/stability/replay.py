@@ -294,7 +294,7 @@ def replay(state: dict, device="cpu", overrides: dict | None = None) -> dict:
     """
     from ..data import Batch
     from ..model import build_model
-    from ..trainer import forward_loss, resolve_device
+    from ..train.step import forward_loss, resolve_device
     from .faults import Fault
 
     if not isinstance(state, dict) or "anomaly" not in state:
