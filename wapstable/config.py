@@ -2,11 +2,16 @@
 
 Every YAML file under `conf/` is merged onto these classes, so a typo in a key or a value of the wrong type fails
 before anything runs, with OmegaConf's message naming the key. Only this module and the entry points import Hydra.
+The YAML files ship inside the package (`wapstable/conf`, which in a checkout is a link to the top-level `conf/`),
+so an installed `wapstable-train` composes the same configs as `python train.py` in a checkout.
 """
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+CONF_DIR = Path(__file__).parent / "conf"  # config.yaml and one folder per config group
 
 
 @dataclass
@@ -187,27 +192,9 @@ class Config:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-# Tiny data and model for smoke runs (the tests, `scripts/bench.py --quick`): a run of train.py takes seconds.
-TINY_OVERRIDES = [
-    "data.num_train=48",
-    "data.num_valid=8",
-    "data.num_test=8",
-    "data.difficulty=1",
-    "data.render_workers=1",
-    "data.max_batch=8",
-    "data.font_size=16",
-    "model.channels=[4,8,8,8]",
-    "model.convs_per_block=1",
-    "model.block_convs=[]",
-    "model.attention.position_features=8",
-    "model.embed_dim=8",
-    "model.hidden_dim=16",
-    "model.attention.dim=8",
-    "model.attention.coverage_channels=4",
-    "model.attention.coverage_kernel=3",
-    "trainer.threads=1",
-    "decode.max_len=12",
-]
+# Tiny data and model for smoke runs (the tests, `scripts/bench.py --quick`): a run of train.py takes seconds. The
+# values are in conf/debug/tiny.yaml.
+TINY_OVERRIDES = ["debug=tiny"]
 
 
 def quote_group_options(args: list[str]) -> list[str]:

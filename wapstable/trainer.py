@@ -96,6 +96,10 @@ def effective_config(cfg: DictConfig, saved: dict, overrides: list[str]) -> Dict
         key = override.lstrip("+~").split("=", 1)[0]
         if key.startswith("hydra") or key in ("resume", "run_dir"):
             continue
+        if key not in merged and "." not in key:
+            # A preset of the _global_ package (debug=tiny, experiment=...): no key of its own; what it set is in
+            # the checkpoint's config already, when the run was started with it.
+            continue
         OmegaConf.update(merged, key, OmegaConf.select(cfg, key), merge=False)
     merged.resume, merged.run_dir = cfg.resume, cfg.run_dir
     return merged
