@@ -175,6 +175,41 @@ class TrainerConfig:
 
 
 @dataclass
+class TensorBoardLoggerConfig:
+    dir: str = "tb"  # relative to the run directory
+
+
+@dataclass
+class CsvLoggerConfig:
+    file: str = "metrics.csv"  # relative to the run directory
+
+
+@dataclass
+class MlflowLoggerConfig:
+    tracking_uri: str | None = None  # None = a file store in the run directory's mlruns/
+    experiment: str = "wapstable"
+    run_name: str | None = None  # None = the run directory's name
+
+
+@dataclass
+class WandbLoggerConfig:
+    project: str = "wapstable"
+    mode: str = "offline"  # offline | online | disabled
+    entity: str | None = None
+    name: str | None = None  # None = the run directory's name
+
+
+@dataclass
+class LoggerConfig:
+    """The loggers a run writes to: those present (not None). `logger=[tensorboard,csv]` fills two."""
+
+    tensorboard: TensorBoardLoggerConfig | None = None
+    csv: CsvLoggerConfig | None = None
+    mlflow: MlflowLoggerConfig | None = None
+    wandb: WandbLoggerConfig | None = None
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -185,6 +220,7 @@ class Config:
     stats: StatsConfig = field(default_factory=StatsConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     seed: int = 0
     resume: str | None = None  # PATH to a checkpoint, or "auto" for the run directory's last.pt
     optimize_metric: str = "best_valid_exprate"
