@@ -1,54 +1,11 @@
-"""Render LaTeX math to a PNG with the synthetic data's renderer: a test image for predict.py at training scale.
+"""Render LaTeX math to a PNG as the synthetic data is drawn: `python scripts/render.py LATEX OUT.png`.
 
-    python scripts/render.py '\\frac{a+1}{b}' fraction.png
-    python scripts/render.py 'x^{2}+y_{i}' script.png --font stix --font-size 28 --augment --seed 3
-
-The expression is tokenised as CROHME labels are, then drawn by matplotlib mathtext exactly as `data=synthetic`
-draws training images (`--font-size` should match the model's `data.font_size`; `--augment` applies the same
-random affine/elastic/blur bending). The PNG is dark ink on white, as a scan would be; predict.py inverts it back.
-Exit code 2: an expression mathtext cannot draw, or an unknown font.
+The same as the installed `wapstable-render`; the code and its documentation are in `wapstable/cli/render.py`.
 """
 
-import argparse
-import sys
-from pathlib import Path
+from wapstable.cli.render import main, run
 
-# Runnable from a checkout without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import numpy as np  # noqa: E402
-from PIL import Image  # noqa: E402
-
-from wapstable.errors import UserError, run_script  # noqa: E402
-from wapstable.latex import tokenize_latex  # noqa: E402
-from wapstable.synthetic import FONTS, render, tokens_to_mathtext  # noqa: E402
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("latex", help="the expression, e.g. '\\frac{a}{b}' (no $ needed)")
-    p.add_argument("out", help="the PNG to write")
-    p.add_argument("--font", default="cm", choices=FONTS, help="mathtext font set (default: cm)")
-    p.add_argument(
-        "--font-size", type=int, default=28, help="points at 72 dpi (default: 28, as data.font_size)"
-    )
-    p.add_argument("--augment", action="store_true", help="bend it as training images are")
-    p.add_argument("--seed", type=int, default=0, help="the augmentation's random seed")
-    args = p.parse_args(argv)
-    tokens = tokenize_latex(args.latex.strip().strip("$"))
-    if not tokens:
-        raise UserError("the expression is empty; give some LaTeX math, e.g. 'x^{2}'")
-    try:
-        img = render(tokens, args.font, args.font_size, np.random.default_rng(args.seed), args.augment)
-    except ValueError as e:
-        raise UserError(
-            f"mathtext cannot draw {tokens_to_mathtext(tokens)}: {str(e).splitlines()[0]}"
-        ) from None
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(255 - img).save(args.out)
-    print(f"{args.out}\t{' '.join(tokens)}\t{img.shape[1]}x{img.shape[0]} px")
-    return 0
-
+__all__ = ["main", "run"]  # main(argv) returns the exit status, for callers in Python
 
 if __name__ == "__main__":
-    run_script(main)
+    run()

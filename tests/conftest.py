@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from wapstable.config import TINY_OVERRIDES, quote_group_options, register_configs
+from wapstable.config import CONF_DIR, TINY_OVERRIDES, quote_group_options, register_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
 
-# Tiny settings that keep a real run of train.py to seconds on a CPU.
+# Tiny settings that keep a real run of train.py to seconds on a CPU: debug=tiny (conf/debug/tiny.yaml) and a few
+# steps.
 TINY = [
     *TINY_OVERRIDES,
     # WAP's Adadelta (lr 1.0, constant): the guard, rollback and fault tests were written against it, and their
@@ -27,7 +28,7 @@ TINY = [
 
 
 def compose_config(overrides=(), run_dir=None):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=quote_group_options(list(overrides)))
     if run_dir is not None:
         cfg.run_dir = str(run_dir)

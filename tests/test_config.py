@@ -109,3 +109,12 @@ def test_help_shows_config():
     assert proc.returncode == 0
     assert "clip: agc, autoclip, inf, none, norm, value" in proc.stdout
     assert "max_steps" in proc.stdout
+
+
+def test_debug_tiny_is_a_short_run_that_wins_over_a_preset_but_not_the_command_line():
+    cfg = compose_config(["debug=tiny"])
+    assert list(cfg.model.channels) == [4, 8, 8, 8] and cfg.data.num_train == 48 and cfg.decode.max_len == 12
+    assert cfg.trainer.max_steps == 20 and cfg.trainer.max_minutes == 0 and cfg.trainer.threads == 1
+    cfg = compose_config(["experiment=synthetic_long", "debug=tiny", "trainer.max_steps=50"])
+    assert cfg.data.num_train == 48 and cfg.trainer.max_minutes == 0  # not the preset's 10,000 and 26 min
+    assert cfg.trainer.max_steps == 50  # the command line wins

@@ -1,5 +1,6 @@
 """Multi-process training: real `torchrun` runs of train.py with 2 CPU processes (gloo), and the collectives alone."""
 
+import csv
 import json
 import math
 import os
@@ -56,6 +57,11 @@ def checksums(log) -> dict[int, str]:
     return {int(s): c for s, c in CHECKSUM.findall(log.read_text())}
 
 
+def csv_steps(path) -> list[int]:
+    with open(path, newline="") as f:
+        return [int(row["step"]) for row in csv.DictReader(f)]
+
+
 def explain(proc) -> str:
     return f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
@@ -69,6 +75,7 @@ def test_nan_on_rank1_skips_on_both_ranks_and_resumes(tmp_path, cache_dir):
         "fault.step=1",
         "trainer.max_steps=4",
         "trainer.consistency_every=1",
+        "logger=[tensorboard,csv]",
     ]
     proc = torchrun(args, run, cache_dir)
     assert proc.returncode == 0, explain(proc)
@@ -86,8 +93,9 @@ def test_nan_on_rank1_skips_on_both_ranks_and_resumes(tmp_path, cache_dir):
     # Weights identical on both ranks at every step, by each rank's own checksum (step 0 = before training).
     assert checksums(rank0) == checksums(rank1)
     assert sorted(checksums(rank0)) == [0, 1, 2, 3, 4]
-    # Rank 1 writes its log and nothing else.
+    # Rank 1 writes its log and nothing else: one TensorBoard file, one metrics.csv row per step.
     assert len(list((run / "tb").iterdir())) == 1
+    assert csv_steps(run / "metrics.csv") == [1, 2, 3, 4]
     assert [p.name for p in run.rglob("*rank1*")] == ["train.rank1.log"]
 
     # Resume from last.pt, with two more faulty steps on rank 1 and room for one more anomaly checkpoint: every rank
@@ -107,6 +115,7 @@ def test_nan_on_rank1_skips_on_both_ranks_and_resumes(tmp_path, cache_dir):
     assert "resuming from" in rank1.read_text()
     assert checksums(rank0) == checksums(rank1)
     assert {4, 5, 6, 7} <= set(checksums(rank0))
+    assert csv_steps(run / "metrics.csv") == list(range(1, 8))  # the checkpoint's logger config, appended to
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """Evaluation and inference end to end: scripts/evaluate.py, scripts/predict.py, train.py on InkML and WAP pickles."""
 
-import importlib.util
+import importlib
 import json
 import subprocess
 import sys
@@ -27,11 +27,8 @@ def script(name, *args):
 
 
 def load_script(name):
-    """scripts/<name> as a module, to call its main() in this process (no second torch import to wait for)."""
-    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), ROOT / "scripts" / name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The code of scripts/<name> (wapstable/cli/), to call its main() in this process (no second torch import)."""
+    return importlib.import_module(f"wapstable.cli.{name.removesuffix('.py')}")
 
 
 @pytest.fixture(scope="module")

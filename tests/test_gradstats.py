@@ -1,24 +1,20 @@
 """grad_stats.csv holds the gradients' true figures, anomalous steps always land in it, and the report reads it."""
 
 import csv
-import importlib.util
 import math
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, run_train
+from conftest import run_train
 from omegaconf import OmegaConf
 
+from wapstable.cli import grad_report
 from wapstable.config import ClipConfig, StatsConfig
 from wapstable.errors import UserError
 from wapstable.gradstats import CSV_NAME, GLOBAL, GradStats, clip_threshold, validate_stats_config
 from wapstable.stability import AutoClipHistory
 from wapstable.stability.step_guard import Outcome, StepResult
-
-spec = importlib.util.spec_from_file_location("grad_report", ROOT / "scripts" / "grad_report.py")
-grad_report = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(grad_report)
 
 
 def read_csv(path):
@@ -165,3 +161,8 @@ def test_injected_fault_is_written_and_reported(tmp_path, cache_dir):
     assert grad_report.main([str(run), "--out", str(out)]) == 0
     md = (out / "grad_report.md").read_text()
     assert "Anomalous steps" in md and "| 2 | yes |" in md
+
+
+def test_report_of_a_run_without_statistics_names_the_setting(tmp_path):
+    with pytest.raises(UserError, match=r"grad_stats.csv does not exist; train with stats.every > 0"):
+        grad_report.main([str(tmp_path)])

@@ -1,6 +1,5 @@
 """Anomaly checkpoints from real train.py runs, and their replay: the first non-finite module and op, NaN and Inf."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from conftest import ROOT, run_train
 from omegaconf import OmegaConf
 
 from wapstable.checkpoint import load_checkpoint
+from wapstable.cli import replay_anomaly
 from wapstable.errors import UserError
 from wapstable.model import build_model
 from wapstable.stability.replay import replay, summarize, trace_nonfinite
@@ -27,14 +27,12 @@ def replay_script(*args):
 
 
 def script_main(capsys, *args):
-    """The script's main() in this process (no second torch import): exit code, stdout, stderr."""
-    spec = importlib.util.spec_from_file_location("replay_anomaly", ROOT / "scripts" / "replay_anomaly.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    """The script's main() (wapstable/cli/replay_anomaly.py) in this process (no second torch import): exit code,
+    stdout, stderr."""
     capsys.readouterr()
     threads = torch.get_num_threads()
     try:
-        code = module.main([str(a) for a in args])
+        code = replay_anomaly.main([str(a) for a in args])
     finally:
         torch.set_num_threads(threads)  # main() takes the run's thread count
     out, err = capsys.readouterr()

@@ -2,11 +2,16 @@
 
 Every YAML file under `conf/` is merged onto these classes, so a typo in a key or a value of the wrong type fails
 before anything runs, with OmegaConf's message naming the key. Only this module and the entry points import Hydra.
+The YAML files ship inside the package (`wapstable/conf`, which in a checkout is a link to the top-level `conf/`),
+so an installed `wapstable-train` composes the same configs as `python train.py` in a checkout.
 """
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+CONF_DIR = Path(__file__).parent / "conf"  # config.yaml and one folder per config group
 
 
 @dataclass
@@ -170,6 +175,41 @@ class TrainerConfig:
 
 
 @dataclass
+class TensorBoardLoggerConfig:
+    dir: str = "tb"  # relative to the run directory
+
+
+@dataclass
+class CsvLoggerConfig:
+    file: str = "metrics.csv"  # relative to the run directory
+
+
+@dataclass
+class MlflowLoggerConfig:
+    tracking_uri: str | None = None  # None = a file store in the run directory's mlruns/
+    experiment: str = "wapstable"
+    run_name: str | None = None  # None = the run directory's name
+
+
+@dataclass
+class WandbLoggerConfig:
+    project: str = "wapstable"
+    mode: str = "offline"  # offline | online | disabled
+    entity: str | None = None
+    name: str | None = None  # None = the run directory's name
+
+
+@dataclass
+class LoggerConfig:
+    """The loggers a run writes to: those present (not None). `logger=[tensorboard,csv]` fills two."""
+
+    tensorboard: TensorBoardLoggerConfig | None = None
+    csv: CsvLoggerConfig | None = None
+    mlflow: MlflowLoggerConfig | None = None
+    wandb: WandbLoggerConfig | None = None
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -180,6 +220,7 @@ class Config:
     stats: StatsConfig = field(default_factory=StatsConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     seed: int = 0
     resume: str | None = None  # PATH to a checkpoint, or "auto" for the run directory's last.pt
     optimize_metric: str = "best_valid_exprate"
@@ -187,27 +228,9 @@ class Config:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-# Tiny data and model for smoke runs (the tests, `scripts/bench.py --quick`): a run of train.py takes seconds.
-TINY_OVERRIDES = [
-    "data.num_train=48",
-    "data.num_valid=8",
-    "data.num_test=8",
-    "data.difficulty=1",
-    "data.render_workers=1",
-    "data.max_batch=8",
-    "data.font_size=16",
-    "model.channels=[4,8,8,8]",
-    "model.convs_per_block=1",
-    "model.block_convs=[]",
-    "model.attention.position_features=8",
-    "model.embed_dim=8",
-    "model.hidden_dim=16",
-    "model.attention.dim=8",
-    "model.attention.coverage_channels=4",
-    "model.attention.coverage_kernel=3",
-    "trainer.threads=1",
-    "decode.max_len=12",
-]
+# Tiny data and model for smoke runs (the tests, `scripts/bench.py --quick`): a run of train.py takes seconds. The
+# values are in conf/debug/tiny.yaml.
+TINY_OVERRIDES = ["debug=tiny"]
 
 
 def quote_group_options(args: list[str]) -> list[str]:

@@ -1,4 +1,4 @@
-"""Per-layer gradient statistics (`grad_stats.csv`), TensorBoard histograms, and attention images.
+"""Per-layer gradient statistics (`grad_stats.csv`), their scalars, TensorBoard histograms, and attention images.
 
 Seed 003's method: log every layer's gradient and weight figures, tell gradient explosion from the statistics, and
 pick the clip threshold from them (`scripts/grad_report.py` reads the CSV and suggests one). The trainer calls three
@@ -74,7 +74,7 @@ class GradStats:
     force (only called on stats steps, since autoclip's needs a host sync). `seconds` is the time spent in the hooks.
     """
 
-    def __init__(self, cfg_stats, run_dir, writer=None, threshold=None, norm_type: float = 2.0):
+    def __init__(self, cfg_stats, run_dir, loggers=None, threshold=None, norm_type: float = 2.0):
         validate_stats_config(cfg_stats)
         self.every = int(cfg_stats.every)
         self.histogram_every = int(cfg_stats.histogram_every)
@@ -82,7 +82,7 @@ class GradStats:
         self.enabled = run_dir is not None
         write_csv = bool(getattr(cfg_stats, "csv", True))
         self.path = Path(run_dir) / CSV_NAME if self.enabled and write_csv else None
-        self.writer = writer
+        self.loggers = loggers  # a loggers.Loggers: scalars to every logger, pictures to TensorBoard
         self.threshold = threshold or (lambda: None)
         self.norm_type = float(norm_type)
         self.pending: dict | None = None
@@ -91,8 +91,13 @@ class GradStats:
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
+    @property
+    def tensorboard(self):
+        """The SummaryWriter for histograms and images, or None when TensorBoard is not among the loggers."""
+        return self.loggers.tensorboard if self.loggers is not None else None
+
     def histogram_due(self, step: int) -> bool:
-        return self.writer is not None and self.histogram_every > 0 and step % self.histogram_every == 0
+        return self.tensorboard is not None and self.histogram_every > 0 and step % self.histogram_every == 0
 
     # ---- hooks ----
     def capture(self, step: int, model: torch.nn.Module, anomalous: bool = False) -> None:
@@ -162,7 +167,7 @@ class GradStats:
         table.append(row + [threshold, clipped_norm, result.loss])
         if self.path is not None:
             self.write_rows(table)
-        if self.writer is not None:
+        if self.loggers is not None:
             for tag, value in (
                 ("stats/grad_norm_clipped", clipped_norm),
                 ("stats/clip_threshold", threshold),
@@ -170,8 +175,7 @@ class GradStats:
                 ("stats/param_norm", gpn),
                 ("stats/nonfinite_grads", gbad),
             ):
-                if value is not None and math.isfinite(value):
-                    self.writer.add_scalar(tag, value, step)
+                self.loggers.scalar(tag, value, step + 1)  # steps done, as the trainer's train/* scalars
         self.seconds += time.perf_counter() - t0
 
     def write_rows(self, table: list[list]) -> None:
@@ -205,14 +209,14 @@ class GradStats:
                 top = hi if hi > lo else lo + max(abs(lo), 1.0) * 1e-6  # histc needs a non-empty range
                 counts = torch.histc(values, 64, min=lo, max=top).tolist()
                 limits = np.linspace(lo, top, 65)[1:].tolist()  # the upper edge of each bin
-                self.writer.add_histogram_raw(
+                self.tensorboard.add_histogram_raw(
                     f"{tag}/{name}", lo, hi, values.numel(), total, squares, limits, counts, step
                 )
 
     # ---- attention at evaluation ----
     def log_attention(self, model, samples, vocab, step: int, max_len: int) -> None:
         """The first `stats.attention_images` samples, decoded greedily, with each token's attention drawn."""
-        if self.writer is None or self.n_images <= 0 or not samples:
+        if self.tensorboard is None or self.n_images <= 0 or not samples:
             return
         t0 = time.perf_counter()
         try:
@@ -236,7 +240,7 @@ class GradStats:
         for i, sample in enumerate(chosen):
             pred, att = vocab.decode(seqs[i]), maps[i].float().cpu().numpy()
             image = attention_image(images[i], sample.image.shape, att, pred, sample.tokens)
-            self.writer.add_image(f"attention/{i}", image, step, dataformats="HWC")
+            self.tensorboard.add_image(f"attention/{i}", image, step, dataformats="HWC")
 
 
 def _norm_name(norm_type: float) -> str:

@@ -22,6 +22,7 @@ from .data import BatchStream, check_bucket_by, check_labels, filter_samples, lo
 from .errors import TrainingStopped, UserError
 from .evaluation import evaluate_samples
 from .gradstats import GradStats, clip_threshold, validate_stats_config
+from .loggers import Loggers, build_loggers, check_logger_config
 from .model import build_model
 from .optim import build_optimizer, build_scheduler
 from .runlock import run_lock
@@ -46,10 +47,15 @@ log = logging.getLogger("wapstable")
 def effective_config(cfg: DictConfig, saved: dict, overrides: list[str]) -> DictConfig:
     """The checkpoint's config with this command line's overrides on top (they win), as a resumed run uses."""
     saved = {k: v for k, v in saved.items() if k not in ("run_dir", "resume")}
+    saved.setdefault("logger", {"tensorboard": {}})  # checkpoints from before the logger group: TensorBoard
     merged = OmegaConf.merge(OmegaConf.structured(Config), saved)
     for override in overrides:
         key = override.lstrip("+~").split("=", 1)[0]
         if key.startswith("hydra") or key in ("resume", "run_dir"):
+            continue
+        if key not in merged and "." not in key:
+            # A preset of the _global_ package (debug=tiny, experiment=...): no key of its own; what it set is in
+            # the checkpoint's config already, when the run was started with it.
             continue
         OmegaConf.update(merged, key, OmegaConf.select(cfg, key), merge=False)
     merged.resume, merged.run_dir = cfg.resume, cfg.run_dir
@@ -68,6 +74,7 @@ def validate_config(cfg: DictConfig) -> None:
         raise UserError(f"trainer.precision={t.precision!r} is unknown; use 32, bf16 or fp16")
     validate_clip_config(cfg.clip)
     validate_stats_config(cfg.stats)
+    check_logger_config(cfg.logger)
     g = cfg.guard
     if g.max_consecutive_skips < 0 or g.max_total_skips < 0:
         raise UserError("guard.max_consecutive_skips and guard.max_total_skips must be >= 0")
@@ -240,7 +247,7 @@ class Trainer:
         self.stopped_by_time = False
         if self.resume_state is not None:
             self.load_state(self.resume_state)
-        self.writer = None
+        self.loggers: Loggers | None = None  # opened by fit, on the main rank only
 
     # ---- state ----
     def state(self) -> dict:
@@ -436,9 +443,10 @@ class Trainer:
             event["clip_threshold"],
             event["batches_skipped"],
         )
-        if self.writer is not None:
-            self.writer.add_scalar("guard/rollback", len(self.rollback.events), self.step)
-            self.writer.add_text("guard/rollbacks", json.dumps(event), self.step)
+        # At the count of steps done, as train/*: this rollback ends step self.step + 1.
+        self.scalar("guard/rollback", len(self.rollback.events), self.step + 1)
+        if self.loggers is not None:
+            self.loggers.text("guard/rollbacks", json.dumps(event), self.step + 1)
         return True
 
     def write_anomaly(self, result: StepResult, batch, rng_before: dict) -> Path | None:
@@ -526,19 +534,25 @@ class Trainer:
         )
 
     # ---- logging ----
-    def open_writer(self):
-        if self.dist.is_main and self.writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(str(self.run_dir / "tb"))
+    def open_loggers(self) -> None:
+        """The loggers of `cfg.logger` (the main rank only); the gradient statistics log through them too."""
+        if self.dist.is_main and self.loggers is None:
+            config = OmegaConf.to_container(self.cfg, resolve=True)
+            self.loggers = build_loggers(self.cfg.logger, self.run_dir, config)
+            self.stats.loggers = self.loggers
 
     def scalar(self, tag: str, value: float, step: int) -> None:
-        if self.writer is not None and value is not None and math.isfinite(value):
-            self.writer.add_scalar(tag, value, step)
+        if self.loggers is not None:
+            self.loggers.scalar(tag, value, step)
 
     def finish_logs(self) -> None:
-        if self.writer is not None:
-            self.writer.flush()
+        if self.loggers is not None:
+            self.loggers.flush()
+
+    def close_loggers(self, finished: bool) -> None:
+        if self.loggers is not None:
+            self.loggers.close(finished)
+            self.loggers = self.stats.loggers = None
 
     # ---- the loop ----
     def fit(self) -> dict:
@@ -573,8 +587,7 @@ class Trainer:
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.vocab.save(self.run_dir / "vocab.txt")
-        self.open_writer()
-        self.stats.writer = self.writer
+        self.open_loggers()
         log.info(
             "model %s: %.2fM parameters; optimizer %s lr %g; clip %s; device %s; precision %s",
             cfg.model.name,
@@ -767,9 +780,11 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
     """
     with run_lock(cfg.run_dir):  # one process per run directory (rank 0 under torchrun)
         trainer = Trainer(cfg, overrides)
+        finished = False
         try:
-            return trainer.fit()
+            metrics = trainer.fit()
+            finished = not metrics.get("preempted")
+            return metrics
         finally:
-            if trainer.writer is not None:
-                trainer.writer.close()
+            trainer.close_loggers(finished)  # a run the guard stopped, or one that crashed, is marked failed
             trainer.dist.cleanup()

@@ -1,0 +1,141 @@
+"""Evaluate a checkpoint on a data split: print the CROHME metrics table and write it as JSON.
+
+    wapstable-evaluate outputs/.../checkpoints/best.pt       # in a checkout: python scripts/evaluate.py ...
+    wapstable-evaluate CKPT decode.beam_size=10                       # WAP's final-evaluation beam
+    wapstable-evaluate CKPT data=crohme data.root=/data/crohme split=test data.test=2014
+    wapstable-evaluate CKPT data=wap_pkl data.root=/data/wap --out results.json
+
+The model and its vocabulary come from the checkpoint; data, decode and trainer.device/threads come from the
+checkpoint's config with the command line's Hydra-style overrides on top (a group such as `data=crohme` replaces
+the checkpoint's whole data config). With no decode.beam_size given, the beam is the checkpoint's
+decode.final_beam_size, so that the default reproduces the run's own test_exprate. The JSON goes next to the
+checkpoint as eval-<split>.json unless --out says otherwise. Exit code 2: a missing or bad checkpoint, override
+or data set, named in one sentence on stderr.
+"""
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from wapstable.config import CONF_DIR, Config, register_configs
+from wapstable.data import SPLITS, check_labels, load_splits
+from wapstable.errors import UserError, run_script
+from wapstable.evaluation import evaluate_samples, load_model
+from wapstable.metrics import format_table
+
+log = logging.getLogger("wapstable")
+# Only these parts of the config mean anything here: the model is the checkpoint's.
+ALLOWED = ("data", "decode", "trainer.device", "trainer.threads")
+
+
+def compose(saved: dict, overrides: list[str]):
+    """The checkpoint's config with `overrides` on top: a group override swaps the group, a key sets the key."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+
+    keys = []
+    for override in overrides:
+        key = override.lstrip("+~").split("=", 1)[0]
+        if "=" not in override or not any(key == a or key.startswith(a + ".") for a in ALLOWED):
+            raise UserError(
+                f"override {override!r} is not accepted; give data=..., data.KEY=..., decode.KEY=..., "
+                "trainer.device=... or split=... (the model comes from the checkpoint)"
+            )
+        keys.append(key)
+    register_configs()
+    try:
+        # The package's configs: group options (data=crohme) and the schema's type checks, as train.py has them.
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            composed = hydra_compose(config_name="config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        why = "; ".join(line.strip() for line in str(e).splitlines()[:2])
+        raise UserError(f"the overrides do not compose: {why}") from None
+    saved = {k: v for k, v in saved.items() if k not in ("run_dir", "resume")}
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), saved)
+        for key in sorted(keys, key=lambda k: "." in k):  # whole groups first, then single keys on top
+            OmegaConf.update(cfg, key, OmegaConf.select(composed, key), merge=False)
+    except OmegaConfBaseException as e:
+        raise UserError(
+            f"the checkpoint's config does not fit this version: {str(e).splitlines()[0]}"
+        ) from None
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", help="a checkpoint written by train.py (best.pt, last.pt)")
+    p.add_argument("overrides", nargs="*", help="data=..., data.KEY=..., decode.KEY=..., split=valid|test")
+    p.add_argument(
+        "--out", help="where to write the JSON (default: eval-<split>.json next to the checkpoint)"
+    )
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
+
+    split = "test"
+    overrides = []
+    for o in args.overrides:
+        if o.startswith("split="):
+            split = o.split("=", 1)[1]
+        else:
+            overrides.append(o)
+    if split not in SPLITS:
+        raise UserError(f"split={split} is unknown; use one of {', '.join(SPLITS)}")
+
+    from wapstable.trainer import resolve_device
+
+    ckpt = Path(args.checkpoint)
+    model, vocab, saved = load_model(ckpt, "cpu")
+    cfg = compose(OmegaConf.to_container(saved), overrides)
+    given = any(o.startswith("decode.beam_size=") for o in overrides)
+    beam = cfg.decode.beam_size if given else cfg.decode.final_beam_size
+    d = cfg.data
+    if beam <= 0 or cfg.decode.max_len <= 0:
+        raise UserError("decode.beam_size and decode.max_len must be positive")
+    device = resolve_device(cfg.trainer.device)
+    if cfg.trainer.threads > 0:
+        torch.set_num_threads(cfg.trainer.threads)
+
+    model = model.to(device)
+    samples = load_splits(d, which=(split,))[split]
+    samples = check_labels(samples, vocab, d.on_error)
+    if not samples:
+        raise UserError(f"no {split} sample of data={d.name} is left to evaluate")
+    log.info("evaluating %s on %d %s samples of data=%s, beam %d", ckpt, len(samples), split, d.name, beam)
+    t0 = time.perf_counter()
+    result = evaluate_samples(
+        model, vocab, samples, beam, cfg.decode.max_len, d.pixel_budget, d.max_batch, device
+    )
+    seconds = time.perf_counter() - t0
+    print(format_table(result))
+    out = Path(args.out) if args.out else ckpt.parent / f"eval-{split}.json"
+    record = {
+        **result,
+        "checkpoint": str(ckpt),
+        "split": split,
+        "data": d.name,
+        "beam_size": beam,
+        "max_len": cfg.decode.max_len,
+        "seconds": round(seconds, 2),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    log.info("wrote %s (%.1f s)", out, seconds)
+    return 0
+
+
+def run() -> None:
+    """The console entry point `wapstable-evaluate`."""
+    run_script(main)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,55 @@
+"""Render LaTeX math to a PNG with the synthetic data's renderer: a test image for predict.py at training scale.
+
+    wapstable-render '\\frac{a+1}{b}' fraction.png                # in a checkout: python scripts/render.py ...
+    wapstable-render 'x^{2}+y_{i}' script.png --font stix --font-size 28 --augment --seed 3
+
+The expression is tokenised as CROHME labels are, then drawn by matplotlib mathtext exactly as `data=synthetic`
+draws training images (`--font-size` should match the model's `data.font_size`; `--augment` applies the same
+random affine/elastic/blur bending). The PNG is dark ink on white, as a scan would be; predict.py inverts it back.
+Exit code 2: an expression mathtext cannot draw, or an unknown font.
+"""
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from wapstable.errors import UserError, run_script
+from wapstable.latex import tokenize_latex
+from wapstable.synthetic import FONTS, render, tokens_to_mathtext
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("latex", help="the expression, e.g. '\\frac{a}{b}' (no $ needed)")
+    p.add_argument("out", help="the PNG to write")
+    p.add_argument("--font", default="cm", choices=FONTS, help="mathtext font set (default: cm)")
+    p.add_argument(
+        "--font-size", type=int, default=28, help="points at 72 dpi (default: 28, as data.font_size)"
+    )
+    p.add_argument("--augment", action="store_true", help="bend it as training images are")
+    p.add_argument("--seed", type=int, default=0, help="the augmentation's random seed")
+    args = p.parse_args(argv)
+    tokens = tokenize_latex(args.latex.strip().strip("$"))
+    if not tokens:
+        raise UserError("the expression is empty; give some LaTeX math, e.g. 'x^{2}'")
+    try:
+        img = render(tokens, args.font, args.font_size, np.random.default_rng(args.seed), args.augment)
+    except ValueError as e:
+        raise UserError(
+            f"mathtext cannot draw {tokens_to_mathtext(tokens)}: {str(e).splitlines()[0]}"
+        ) from None
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(255 - img).save(args.out)
+    print(f"{args.out}\t{' '.join(tokens)}\t{img.shape[1]}x{img.shape[0]} px")
+    return 0
+
+
+def run() -> None:
+    """The console entry point `wapstable-render`."""
+    run_script(main)
+
+
+if __name__ == "__main__":
+    run()
