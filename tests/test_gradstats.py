@@ -12,8 +12,9 @@ from omegaconf import OmegaConf
 from wapstable.cli import grad_report
 from wapstable.config import ClipConfig, StatsConfig
 from wapstable.errors import UserError
-from wapstable.gradstats import CSV_NAME, GLOBAL, GradStats, clip_threshold, validate_stats_config
+from wapstable.gradstats import CSV_NAME, GLOBAL, GradStats, validate_stats_config
 from wapstable.stability import AutoClipHistory
+from wapstable.stability.clipping import clip_threshold
 from wapstable.stability.step_guard import Outcome, StepResult
 
 

@@ -9,7 +9,8 @@ so an installed `wapstable-train` composes the same configs as `python train.py`
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
 
 CONF_DIR = Path(__file__).parent / "conf"  # config.yaml and one folder per config group
 
@@ -225,7 +226,6 @@ class Config:
     resume: str | None = None  # PATH to a checkpoint, or "auto" for the run directory's last.pt
     optimize_metric: str = "best_valid_exprate"
     run_dir: str = "${hydra:runtime.output_dir}"
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 # Tiny data and model for smoke runs (the tests, `scripts/bench.py --quick`): a run of train.py takes seconds. The
@@ -251,3 +251,15 @@ def register_configs() -> None:
 
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
+
+
+def checkpoint_config(saved: dict, keys: list[str], source: DictConfig) -> DictConfig:
+    """A checkpoint's config in this version's schema (its run_dir and resume dropped), with each of `keys` taken
+    from `source` (the command line's composed config): whole groups first, then single keys on top. Used by a
+    resumed run and by scripts/evaluate.py; raises OmegaConf's error when the saved config does not fit."""
+    saved = {k: v for k, v in saved.items() if k not in ("run_dir", "resume")}
+    saved.setdefault("logger", {"tensorboard": {}})  # checkpoints from before the logger group: TensorBoard
+    merged = OmegaConf.merge(OmegaConf.structured(Config), saved)
+    for key in sorted(keys, key=lambda k: "." in k):
+        OmegaConf.update(merged, key, OmegaConf.select(source, key), merge=False)
+    return merged

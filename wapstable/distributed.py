@@ -11,7 +11,6 @@ takes the same decision at every step, or the replicas drift apart silently:
 import contextlib
 import logging
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -212,11 +211,6 @@ def setup(ddp: bool, device_name: str = "auto") -> Dist:
     return Dist(rank, world, device)
 
 
-def _exit(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)  # as train.py does for any other UserError
-
-
 def torchrun_argv(argv: list[str]) -> list[str]:
     """The command line of a process torchrun started, for `train.py` to hand to Hydra.
 
@@ -227,9 +221,11 @@ def torchrun_argv(argv: list[str]) -> list[str]:
     """
     args = argv[1:]
     if any(a in ("-m", "--multirun") for a in args):
-        _exit("torchrun runs one training; start sweeps without torchrun (`python train.py -m ...`)")
+        raise UserError(
+            "torchrun runs one training; start sweeps without torchrun (`python train.py -m ...`)"
+        )
     if not any(a.lstrip("+").startswith("hydra.run.dir=") for a in args):
-        _exit(
+        raise UserError(
             "under torchrun every rank must write to the same run directory: add hydra.run.dir=outputs/NAME "
             "(on a filesystem that every machine sees, when there are several)"
         )

@@ -46,19 +46,6 @@ def validate_stats_config(cfg_stats) -> None:
             raise UserError(f"stats.{key}={cfg_stats[key]} must be >= 0 (0 turns it off)")
 
 
-def clip_threshold(cfg_clip, history, scale: float = 1.0) -> float | None:
-    """The global-norm threshold in force: clip.max_norm for norm/inf, the current percentile for autoclip.
-
-    `scale` is a rollback's back-off, as `clip_options` applies it. value and agc clip elementwise or per unit, so
-    no threshold compares with the global norm: None.
-    """
-    if cfg_clip.mode in ("norm", "inf"):
-        return float(cfg_clip.max_norm) * scale
-    if cfg_clip.mode == "autoclip" and history is not None and history.count > 0:
-        return float(history.percentile(cfg_clip.percentile * scale))
-    return None
-
-
 def _cell(x) -> str | float | int:
     if x is None:
         return ""

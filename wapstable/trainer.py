@@ -17,11 +17,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import distributed
 from .checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from .config import Config
+from .config import Config, checkpoint_config
 from .data import BatchStream, check_bucket_by, check_labels, filter_samples, load_splits, load_vocab
 from .errors import TrainingStopped, UserError
 from .evaluation import evaluate_samples
-from .gradstats import GradStats, clip_threshold, validate_stats_config
+from .gradstats import GradStats, validate_stats_config
 from .loggers import Loggers, build_loggers, check_logger_config
 from .model import build_model
 from .optim import build_optimizer, build_scheduler
@@ -30,6 +30,7 @@ from .signals import StopSignals
 from .stability.clipping import (
     AutoClipHistory,
     clip_options,
+    clip_threshold,
     mode_norm_type,
     scaled_threshold,
     validate_clip_config,
@@ -46,18 +47,17 @@ log = logging.getLogger("wapstable")
 
 def effective_config(cfg: DictConfig, saved: dict, overrides: list[str]) -> DictConfig:
     """The checkpoint's config with this command line's overrides on top (they win), as a resumed run uses."""
-    saved = {k: v for k, v in saved.items() if k not in ("run_dir", "resume")}
-    saved.setdefault("logger", {"tensorboard": {}})  # checkpoints from before the logger group: TensorBoard
-    merged = OmegaConf.merge(OmegaConf.structured(Config), saved)
+    keys = []
     for override in overrides:
         key = override.lstrip("+~").split("=", 1)[0]
         if key.startswith("hydra") or key in ("resume", "run_dir"):
             continue
-        if key not in merged and "." not in key:
+        if "." not in key and key not in Config.__dataclass_fields__:
             # A preset of the _global_ package (debug=tiny, experiment=...): no key of its own; what it set is in
             # the checkpoint's config already, when the run was started with it.
             continue
-        OmegaConf.update(merged, key, OmegaConf.select(cfg, key), merge=False)
+        keys.append(key)
+    merged = checkpoint_config(saved, keys, cfg)
     merged.resume, merged.run_dir = cfg.resume, cfg.run_dir
     return merged
 
@@ -191,6 +191,7 @@ class Trainer:
         self.optimizer = build_optimizer(cfg.optim, self.model.parameters())
         self.elapsed_before = 0.0  # training seconds of the runs this one resumes
         self.start_time: float | None = None  # when fit began
+        self.stream_before: dict | None = None  # the stream's position before the current step's batch
         self.scheduler = build_scheduler(cfg.optim, self.optimizer, cfg.trainer.max_steps, self.time_done)
         self.stream = BatchStream(
             self.splits["train"],
@@ -274,17 +275,23 @@ class Trainer:
             "elapsed": self.elapsed(),
         }
 
-    def load_state(self, state: dict) -> None:
+    def restore_training(self, state: dict) -> None:
+        """Model, optimizer, schedule, GradScaler and grad-norm history from a state: what resume, a rollback and
+        the benchmark's reset have in common."""
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+        self.history.load_state_dict(state["guard"]["history"])
+        self.guard.refresh()  # the buffers as loaded are the ones before the next forward
+
+    def load_state(self, state: dict) -> None:
+        self.restore_training(state)
         self.step = int(state["step"])
         self.stream.load_state_dict(state["stream"])
         self.budget.load_state_dict(state["guard"]["budget"])
         self.spikes.load_state_dict(state["guard"]["spikes"])
-        self.history.load_state_dict(state["guard"]["history"])
         if "rollback" in state:
             self.rollback.load_state_dict(state["rollback"])
         self.apply_backoff()
@@ -299,7 +306,7 @@ class Trainer:
         self.anomalies = list(state["anomalies"])
         self.elapsed_before = float(state.get("elapsed", 0.0))
         set_rng_state(state["rng"])
-        self.guard.refresh()
+        self.guard.refresh()  # and the RNG
 
     def trusted_on_disk(self) -> dict | None:
         """The resumed run's checkpoints/trusted.pt (rollback only): a trusted state older than the resumed one."""
@@ -396,10 +403,11 @@ class Trainer:
     def apply_backoff(self) -> None:
         """Scale the schedule's base lrs by the rollback back-off in force, and set the current lrs to match."""
         self.scheduler.base_lrs = [lr * self.rollback.lr_scale for lr in self.base_lrs]
+        # This step's lr from the new base lrs; the scheduler's next step() computes the same (the trainer reads the
+        # lr from the optimizer, never the scheduler's private copy).
         factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
         for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
             group["lr"] = base * factor
-        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
         opts = clip_options(self.cfg.clip, self.history, skip=self.clip_skip, scale=self.rollback.clip_scale)
         self.guard.set_clip(**opts)
 
@@ -410,16 +418,10 @@ class Trainer:
             log.error("rollback: no state from before the failures to return to")
             return False
         source = self.rollback.floor_source if state is self.rollback.floor else "snapshot"
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        if state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        self.history.load_state_dict(state["guard"]["history"])
+        self.restore_training(state)
         self.rollback.back_off()
         self.apply_backoff()
         self.budget.consecutive = 0
-        self.guard.refresh()
         event = {
             "step": self.step,
             "restored_step": int(state["step"]),
@@ -480,7 +482,7 @@ class Trainer:
             return None
         state = self.state()
         # Before the step: the stream had not yet handed out this batch, and the RNG was as saved before forward.
-        state["stream"] = {"epoch": self.stream.epoch, "index": self.stream.index - 1}
+        state["stream"] = self.stream_before if self.stream_before is not None else self.stream.state_dict()
         state["rng"] = rng_before
         state["anomaly"] = {
             **record,
@@ -618,6 +620,7 @@ class Trainer:
 
     def train_one(self) -> StepResult:
         """Draw a batch and take one guarded step; a skip is warned about, and may roll back or stop the run."""
+        self.stream_before = self.stream.state_dict()  # where an anomaly checkpoint's replay starts
         batch = self.stream.next().to(self.device)
         rng_before = rng_state() if self.cfg.guard.checkpoint_on_anomaly else None
         out = self.train_step(batch, rng_before)

@@ -181,7 +181,7 @@ class StepBench:
                 "model": ref.model.state_dict(),
                 "optimizer": ref.optimizer.state_dict(),
                 "scheduler": ref.scheduler.state_dict(),
-                "history": AutoClipHistory(self.cfg.clip.history).state_dict(),
+                "guard": {"history": AutoClipHistory(self.cfg.clip.history).state_dict()},
             }
         )
 
@@ -194,11 +194,7 @@ class StepBench:
 
     def reset(self, t: Trainer) -> None:
         """Every block starts from the same weights, optimizer state, schedule and empty autoclip history."""
-        s = self.snapshot
-        t.model.load_state_dict(s["model"])
-        t.optimizer.load_state_dict(s["optimizer"])
-        t.scheduler.load_state_dict(s["scheduler"])
-        t.history.load_state_dict(s["history"])
+        t.restore_training(self.snapshot)
         t.step = 0
         t.model.zero_grad(set_to_none=True)
 

@@ -24,7 +24,7 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from wapstable.config import CONF_DIR, Config, register_configs
+from wapstable.config import CONF_DIR, checkpoint_config, register_configs
 from wapstable.data import SPLITS, check_labels, load_splits
 from wapstable.errors import UserError, run_script
 from wapstable.evaluation import evaluate_samples, load_model
@@ -58,11 +58,8 @@ def compose(saved: dict, overrides: list[str]):
     except (HydraException, OmegaConfBaseException) as e:
         why = "; ".join(line.strip() for line in str(e).splitlines()[:2])
         raise UserError(f"the overrides do not compose: {why}") from None
-    saved = {k: v for k, v in saved.items() if k not in ("run_dir", "resume")}
     try:
-        cfg = OmegaConf.merge(OmegaConf.structured(Config), saved)
-        for key in sorted(keys, key=lambda k: "." in k):  # whole groups first, then single keys on top
-            OmegaConf.update(cfg, key, OmegaConf.select(composed, key), merge=False)
+        cfg = checkpoint_config(saved, keys, composed)
     except OmegaConfBaseException as e:
         raise UserError(
             f"the checkpoint's config does not fit this version: {str(e).splitlines()[0]}"

@@ -57,7 +57,11 @@ def main() -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun: one run directory, rank-0 files
         from wapstable.distributed import torchrun_argv
 
-        sys.argv = torchrun_argv(sys.argv)
+        try:
+            sys.argv = torchrun_argv(sys.argv)
+        except UserError as e:  # before Hydra: its logging is not set up yet
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
         # gloo's threads can abort the interpreter's teardown after a finished run ("terminate called without an
         # active exception", torch 2.14): flush, then leave with the run's own exit status.
         try:

@@ -236,3 +236,16 @@ def scaled_threshold(cfg_clip, scale: float = 1.0) -> float | None:
     """The configured threshold of the clip mode after a rollback's back-off (None for clip=none)."""
     key = THRESHOLD_KEY.get(cfg_clip.mode)
     return None if key is None else float(cfg_clip[key]) * scale
+
+
+def clip_threshold(cfg_clip, history, scale: float = 1.0) -> float | None:
+    """The global-norm threshold in force: clip.max_norm for norm/inf, the current percentile for autoclip.
+
+    `scale` is a rollback's back-off, as `clip_options` applies it. value and agc clip elementwise or per unit, so
+    no threshold compares with the global norm: None.
+    """
+    if cfg_clip.mode in ("norm", "inf"):
+        return scaled_threshold(cfg_clip, scale)
+    if cfg_clip.mode == "autoclip" and history is not None and history.count > 0:
+        return float(history.percentile(cfg_clip.percentile * scale))
+    return None

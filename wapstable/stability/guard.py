@@ -12,8 +12,6 @@ from collections import deque
 
 import torch
 
-from ..errors import TrainingStopped
-
 
 def nonfinite_flag(loss: torch.Tensor, total_norm: torch.Tensor) -> torch.Tensor:
     """A device bool: is the loss or the total gradient norm NaN/Inf? (A norm is finite iff every gradient is.)"""
@@ -92,11 +90,6 @@ class SkipBudget:
         if self.total > self.max_total:
             return f"{self.total} skipped steps exceed guard.max_total_skips={self.max_total}"
         return None
-
-    def check(self) -> None:
-        reason = self.exhausted()
-        if reason:
-            raise TrainingStopped(reason)
 
     def state_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("consecutive", "total", "nonfinite", "spikes")}
