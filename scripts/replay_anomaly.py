@@ -22,6 +22,7 @@ import yaml  # noqa: E402
 from wapstable.checkpoint import load_checkpoint  # noqa: E402
 from wapstable.errors import UserError  # noqa: E402
 from wapstable.stability.replay import replay, summarize  # noqa: E402
+from wapstable.threads import resolve_threads  # noqa: E402
 from wapstable.trainer import strict  # noqa: E402
 
 
@@ -120,11 +121,10 @@ def main(argv=None) -> int:
                 f"{args.path} is a training checkpoint without an 'anomaly' entry, not an anomaly checkpoint; "
                 "give a file from the run's anomalies/ folder"
             )
-        threads = (state.get("config") or {}).get("trainer", {}).get("threads", 0)
-        if threads and threads > 0:
-            torch.set_num_threads(
-                threads
-            )  # as the run did: tiny ops on many threads are slow on a busy machine
+        # as the run did: tiny ops on many threads are slow on a busy machine
+        threads = resolve_threads((state.get("config") or {}).get("trainer", {}).get("threads", 0))
+        if threads > 0:
+            torch.set_num_threads(threads)
         report = replay(state, args.device, overrides)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

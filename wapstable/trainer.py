@@ -11,6 +11,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,6 +39,7 @@ from .stability.clipping import (
 from .stability.faults import Fault
 from .stability.guard import SkipBudget, SpikeDetector, count_nonfinite_grads, nonfinite_flag
 from .stability.rollback import Rollback
+from .threads import resolve_threads
 from .vocab import Vocab
 
 log = logging.getLogger("wapstable")
@@ -161,7 +163,13 @@ def check_model_compatible(model: torch.nn.Module, state: dict, path: Path) -> N
 
 
 class Trainer:
-    def __init__(self, cfg: DictConfig, overrides: list[str] | None = None):
+    def __init__(
+        self,
+        cfg: DictConfig,
+        overrides: list[str] | None = None,
+        on_eval: Callable[[dict], bool] | None = None,
+        parallel_jobs: int = 1,
+    ):
         self.run_dir = Path(cfg.run_dir)
         resume_path = resolve_resume(cfg, self.run_dir)
         self.resume_state = None
@@ -177,11 +185,13 @@ class Trainer:
         self.resume_path = resume_path
         self.fresh_over_existing = resume_path is None and (self.run_dir / "checkpoints" / "last.pt").exists()
         validate_config(cfg)
+        threads = resolve_threads(cfg.trainer.threads, parallel_jobs)
         self.cfg = cfg
+        self.on_eval = on_eval
         self.dist = distributed.setup(cfg.trainer.ddp, cfg.trainer.device)
         self.device = self.dist.device if cfg.trainer.ddp else resolve_device(cfg.trainer.device)
-        if cfg.trainer.threads > 0:
-            torch.set_num_threads(cfg.trainer.threads)
+        if threads > 0:
+            torch.set_num_threads(threads)
         torch.manual_seed(cfg.seed)
 
         self.splits = load_splits(cfg.data)
@@ -598,7 +608,7 @@ class Trainer:
         self.open_writer()
         self.stats.writer = self.writer
         log.info(
-            "model %s: %.2fM parameters; optimizer %s lr %g; clip %s; device %s; precision %s",
+            "model %s: %.2fM parameters; optimizer %s lr %g; clip %s; device %s; precision %s; %d threads",
             cfg.model.name,
             sum(p.numel() for p in self.model.parameters()) / 1e6,
             cfg.optim.name,
@@ -606,6 +616,7 @@ class Trainer:
             cfg.clip.mode,
             self.device,
             t.precision,
+            torch.get_num_threads(),
         )
         stop_requested = {"flag": False}
         previous_handler = None
@@ -627,6 +638,7 @@ class Trainer:
             torch.autograd.detect_anomaly() if cfg.guard.detect_anomaly else contextlib.nullcontext()
         )
         step_times = []
+        pruned = False
         self.dist.check_consistency(self.model, self.step)  # same step and weights on every rank (DDP only)
         try:
             with anomaly_ctx:
@@ -660,9 +672,12 @@ class Trainer:
                             progress.write(message)
                         log.info(message)
                     if self.step % t.eval_every == 0 or last:
-                        self.run_eval(progress)
+                        record = self.run_eval(progress)
+                        pruned = self.ask_pruner(record) and not last  # a finished run is a result
                     if self.step % t.checkpoint_every == 0 or last:
                         self.save("last")
+                    if pruned:
+                        break
                     if self.dist.agree(stop_requested["flag"]):  # all ranks stop after the same step
                         stop_requested["flag"] = True
                         self.save("last")
@@ -678,6 +693,8 @@ class Trainer:
         if stop_requested["flag"]:
             self.finish_logs()
             return {"stopped_at": self.step, "preempted": True}
+        if pruned:
+            return self.pruned_metrics()
         return self.final_metrics()
 
     def log_step(self, out: dict, progress) -> None:
@@ -699,7 +716,7 @@ class Trainer:
                 "step %d loss %.4f grad_norm %.4g lr %.3g", self.step, out["loss"], out["grad_norm"], lr
             )
 
-    def run_eval(self, progress) -> None:
+    def run_eval(self, progress) -> dict:
         result = self.evaluate("valid")
         record = {
             "step": self.step,
@@ -722,16 +739,19 @@ class Trainer:
         if result["exprate"] > self.best["exprate"]:
             self.best = {"exprate": result["exprate"], "step": self.step}
             self.save("best")
+        return record
 
-    def final_metrics(self) -> dict:
-        cfg = self.cfg
-        best_path = self.run_dir / "checkpoints" / "best.pt"
+    def ask_pruner(self, record: dict) -> bool:
+        """Hand an evaluation to `on_eval` (a sweep's pruner, on the main rank); True on every rank if it says stop."""
+        if self.on_eval is None:
+            return False
+        return self.dist.agree(self.dist.is_main and bool(self.on_eval(record)))
+
+    def training_metrics(self) -> dict:
+        """The figures of the training so far (validation, skips, anomalies), without a test evaluation."""
         final_valid = self.evals[-1] if self.evals else {}
-        if best_path.is_file():
-            self.model.load_state_dict(load_checkpoint(best_path)["model"])
-        test = self.evaluate("test", beam_size=cfg.decode.final_beam_size)
         accepted = max(1, self.counters["accepted"])
-        metrics = {
+        return {
             "steps": self.step,
             "stopped_by_time": self.stopped_by_time,
             "wall_time_s": round(self.elapsed(), 2),
@@ -739,9 +759,6 @@ class Trainer:
             "best_step": self.best["step"],
             "final_valid_exprate": final_valid.get("exprate"),
             "final_valid_wer": final_valid.get("wer"),
-            "test_exprate": test["exprate"],
-            "test_wer": test["wer"],
-            "test_within_1": test["within_1"],
             "skipped_steps": self.budget.total + self.counters["scaler_skips"],
             "skipped_nonfinite": self.budget.nonfinite,
             "skipped_spikes": self.budget.spikes,
@@ -752,6 +769,33 @@ class Trainer:
             "localization": self.localization,
             "rollbacks": self.rollback.events,
             "evals": self.evals,
+        }
+
+    def pruned_metrics(self) -> dict:
+        """A pruned trial's figures (no test evaluation: the sweep has given up on it), in metrics.json too."""
+        metrics = {**self.training_metrics(), "pruned": True}
+        log.info(
+            "pruned by the sweep at step %d: valid ExpRate %.2f%% (best %.2f%%)",
+            self.step,
+            self.evals[-1]["exprate"],
+            self.best["exprate"],
+        )
+        self.finish_logs()
+        if self.dist.is_main:
+            write_json(self.run_dir / "metrics.json", metrics)
+        return metrics
+
+    def final_metrics(self) -> dict:
+        cfg = self.cfg
+        best_path = self.run_dir / "checkpoints" / "best.pt"
+        if best_path.is_file():
+            self.model.load_state_dict(load_checkpoint(best_path)["model"])
+        test = self.evaluate("test", beam_size=cfg.decode.final_beam_size)
+        metrics = {
+            **self.training_metrics(),
+            "test_exprate": test["exprate"],
+            "test_wer": test["wer"],
+            "test_within_1": test["within_1"],
         }
         log.info(
             "done: %d steps in %.0f s; best valid ExpRate %.2f%% (step %d); test ExpRate %.2f%%; %d skipped steps",
@@ -796,13 +840,20 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
+def train(
+    cfg: DictConfig,
+    overrides: list[str] | None = None,
+    on_eval: Callable[[dict], bool] | None = None,
+    parallel_jobs: int = 1,
+) -> dict:
     """Train as `cfg` says; returns the metrics dict (also written to `metrics.json` in the run directory).
 
     `overrides` are the command line's overrides: when resuming, they are applied on top of the checkpoint's
-    config (they win); without them the given config is used as it is.
+    config (they win); without them the given config is used as it is. `on_eval` gets each validation's record
+    (step, exprate, wer, loss) and may stop training there by returning True: a sweep's pruner, and the metrics
+    then say `pruned`. `parallel_jobs`: how many runs share this machine's cores (for `trainer.threads=auto`).
     """
-    trainer = Trainer(cfg, overrides)
+    trainer = Trainer(cfg, overrides, on_eval, parallel_jobs)
     try:
         return trainer.fit()
     finally:
