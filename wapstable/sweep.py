@@ -46,7 +46,7 @@ class TrialReporter:
     def __call__(self, record: dict) -> bool:
         try:
             self.trial.report(float(record[self.key]), int(record["step"]))
-            return self.trial.should_prune()
+            return bool(self.trial.should_prune())
         except Exception as e:  # a storage hiccup must not end the trial it is reporting on
             log.warning("could not report step %s to the Optuna study: %s", record["step"], e)
             return False

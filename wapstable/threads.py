@@ -41,6 +41,8 @@ def resolve_threads(setting: int | str, parallel: int = 1) -> int:
     if setting == "auto":
         processes = max(1, parallel) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         return max(1, available_cores() // processes)
+    if isinstance(setting, str) and setting.isdigit():  # trainer.threads='4'
+        setting = int(setting)
     if isinstance(setting, int) and not isinstance(setting, bool) and setting >= 0:
         return setting
     raise UserError(
