@@ -294,7 +294,22 @@ def test_sweep_overrides_parse_back_to_the_drawn_value():
     assert list(dist.choices) == [1, 2.5, float("inf")] and texts[float("inf")] == "inf"
     lr, _ = distribution(parser.parse_override("optim.lr=tag(log, interval(3e-4, 1e-2))"), is_group=False)
     assert lr.log and (lr.low, lr.high) == (3e-4, 1e-2)
-    for value in ["inf", "1", "true", "null", "it's", "a b", '{"a":1}', 3, 0.003, float("inf"), True]:
+    values = [
+        "inf",
+        "1",
+        "true",
+        "null",
+        "it's",
+        "a b",
+        '{"a":1}',
+        "x\\'y\\",
+        "a,b",
+        3,
+        0.003,
+        float("inf"),
+        True,
+    ]
+    for value in values:
         parsed = parser.parse_override(f"k={override_text(value)}").value()
         assert parsed == value and type(parsed) is type(value), value
 

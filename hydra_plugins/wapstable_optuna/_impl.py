@@ -20,6 +20,7 @@ where the grammar reads it as something else (`clip=inf` would be the float inf,
 import json
 import logging
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,9 @@ def override_text(value: Any) -> str:
             same = False
         if same:
             return value
-        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+        # Hydra's quoted strings: a quote is escaped, and so are the backslashes before a quote or at the end.
+        escaped = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
+        return "'" + re.sub(r"(\\+)$", lambda m: m.group(1) * 2, escaped) + "'"
     return Transformer.str(value)
 
 
@@ -151,20 +154,17 @@ class OptunaSearch:
 
     def search_space(self, arguments: list[str]) -> tuple[dict, dict, list[str]]:
         """(distributions, override texts of categorical choices, fixed overrides) of the params and the command
-        line; a command-line override of a searched key wins, and a plain value there fixes the key."""
-        lines = {}
-        for override in PARSER.parse_overrides([f"{k}={v}" for k, v in self.params.items()]):
-            lines[override.get_key_element()] = override
-        fixed = []
-        for override in PARSER.parse_overrides(arguments):
-            key = override.get_key_element()
-            if override.is_sweep_override():
-                lines[key] = override
-            else:
-                lines.pop(key, None)
+        line. Each key once, the last word winning: the command line over the params, a later override over an
+        earlier one (a plain value there fixes a searched key)."""
+        last = {}
+        for override in PARSER.parse_overrides([f"{k}={v}" for k, v in self.params.items()] + arguments):
+            last.pop(override.get_key_element(), None)  # re-inserted: keeps the command line's order
+            last[override.get_key_element()] = override
+        space, texts, fixed = {}, {}, []
+        for key, override in last.items():
+            if not override.is_sweep_override():
                 fixed.append(override.input_line)
-        space, texts = {}, {}
-        for key, override in lines.items():
+                continue
             space[key], choice_texts = distribution(override, self.is_group(key))
             if isinstance(space[key], CategoricalDistribution):
                 texts[key] = choice_texts
@@ -187,13 +187,13 @@ class OptunaSearch:
         return instantiate(cfg, search_space=grid), min(self.n_trials, size)
 
     def trial_overrides(self, trial: optuna.Trial, space: dict, texts: dict, fixed: list[str], info: dict):
-        drawn = [f"{k}={texts[k][v] if k in texts else override_text(v)}" for k, v in self.draw(trial, space)]
+        """A trial's job: its drawn values, the fixed overrides, and the environment that leads it to its study."""
+        drawn = []
+        for key, dist in space.items():
+            value = suggest(trial, key, dist)
+            drawn.append(f"{key}={texts[key][value] if key in texts else override_text(value)}")
         env = json.dumps({**info, "trial_id": trial._trial_id, "trial": trial.number}, separators=(",", ":"))
         return [*drawn, *fixed, f"++hydra.job.env_set.{TRIAL_ENV}={override_text(env)}"]
-
-    @staticmethod
-    def draw(trial: optuna.Trial, space: dict) -> list[tuple[str, Any]]:
-        return [(key, suggest(trial, key, dist)) for key, dist in space.items()]
 
     def sweep(self, arguments: list[str]) -> None:
         sweep_dir = Path(self.config.hydra.sweep.dir)
