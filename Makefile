@@ -10,6 +10,8 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[dev]"
+	@# an environment from before the sweeper moved into this repo: its plugin would clash with ours
+	$(PY) -m pip uninstall --quiet --yes hydra-optuna-sweeper 2>/dev/null || true
 	touch $@
 
 train: $(VENV)/.installed

@@ -97,6 +97,8 @@ def train_into(run, cache_dir, *args):
             2,
             ["model.attention.position_features must be a multiple"],
         ),
+        (["trainer.threads=-3"], 2, ["error: trainer.threads=-3 is not a thread count; use auto"]),
+        (["trainer.threads=many"], 2, ["error: trainer.threads=many is not a thread count; use auto"]),
     ],
     ids=[
         "unknown-option",
@@ -109,6 +111,8 @@ def train_into(run, cache_dir, *args):
         "backoff",
         "block-convs",
         "positions",
+        "negative-threads",
+        "threads-word",
     ],
 )
 def test_bad_config(run_dir, cache_dir, args, code, messages):

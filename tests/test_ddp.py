@@ -77,11 +77,13 @@ def test_nan_on_rank1_skips_on_both_ranks_and_resumes(tmp_path, cache_dir):
         "trainer.consistency_every=1",
         "logger=[tensorboard,csv]",
     ]
-    proc = torchrun(args, run, cache_dir)
+    proc = torchrun([*args, "trainer.threads=auto"], run, cache_dir)
     assert proc.returncode == 0, explain(proc)
 
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["steps"] == 4 and metrics["skipped_steps"] == 1
+    # trainer.threads=auto: the two ranks share the cores (LOCAL_WORLD_SIZE=2)
+    assert f"; {max(1, len(os.sched_getaffinity(0)) // 2)} threads" in (run / "train.log").read_text()
     # The checkpoint names the rank that saw the NaN and holds its batch, so the replay reproduces it.
     anomaly = load_checkpoint(run / "anomalies" / "step-1.pt")["anomaly"]
     assert anomaly["ranks"] == [1] and anomaly["batch_rank"] == 1

@@ -1,4 +1,5 @@
-"""Sweeps: Hydra multirun (basic, joblib and submitit_local launchers), the Optuna search, and the sweep summary."""
+"""Sweeps: Hydra multirun (basic, joblib and submitit_local launchers), the Optuna search and its pruning, and the
+sweep summary."""
 
 import csv
 import importlib.util
@@ -21,6 +22,17 @@ def needs(plugin: str):
     return pytest.importorskip(
         f"hydra_plugins.{plugin}", reason=f"{plugin} is in the sweep extra: pip install -e '.[sweep]'"
     )
+
+
+def needs_optuna():
+    """The Optuna sweeper (hydra_plugins/wapstable_optuna) ships with wapstable; Optuna is in the sweep extra."""
+    return pytest.importorskip("optuna", reason="optuna is in the sweep extra: pip install -e '.[sweep]'")
+
+
+def trial_states(storage: str, study: str = "wapstable") -> list[str]:
+    """The states of a study's trials, by trial number, as the sweeper told them to the storage."""
+    optuna = needs_optuna()
+    return [t.state.name for t in optuna.load_study(study_name=study, storage=storage).trials]
 
 
 def multirun(args, sweep_dir, cache_dir, timeout=600):
@@ -83,13 +95,14 @@ def test_grid_sweep_runs_every_combination_and_is_summarised(tmp_path, cache_dir
 @pytest.mark.slow
 def test_a_failed_job_is_a_failed_row_and_the_sweep_goes_on(tmp_path, cache_dir, capsys):
     # Through joblib, two jobs at once; clip.max_norm=-1 fails its job with a UserError, the other still runs.
+    # trainer.threads=auto shares the cores between the two: each job gets half of them.
     needs("hydra_joblib_launcher")
     sweep = tmp_path / "sweep"
-    proc = multirun(
-        ["clip.max_norm=1,-1", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2"], sweep, cache_dir
-    )
+    args = ["clip.max_norm=1,-1", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "trainer.threads=auto"]
+    proc = multirun(args, sweep, cache_dir)
     assert proc.returncode != 0  # Hydra reports the failure once every job has run
     assert (sweep / "0" / "metrics.json").is_file() and not (sweep / "1" / "metrics.json").exists()
+    assert f"; {max(1, len(os.sched_getaffinity(0)) // 2)} threads" in (sweep / "0" / "train.log").read_text()
     rows, printed = summary_rows(sweep, capsys)
     assert [(r["clip.max_norm"], r["status"]) for r in rows] == [("1", "ok"), ("-1", "failed")]
     assert "clip.max_norm=-1.0 must be positive" in rows[1]["note"]
@@ -98,16 +111,18 @@ def test_a_failed_job_is_a_failed_row_and_the_sweep_goes_on(tmp_path, cache_dir,
 
 
 @pytest.mark.slow
-def test_optuna_search_returns_the_configured_metric(tmp_path, cache_dir, capsys):
+def test_optuna_search_returns_the_configured_metric_and_continues_a_study(tmp_path, cache_dir, capsys):
     # Two trials; the metric is the wall time (minimised), which differs between trials where ExpRate is 0 for both,
     # so the best value shows that train() returned the configured metric.
-    needs("hydra_optuna_sweeper")
+    needs_optuna()
     sweep = tmp_path / "sweep"
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
     args = [
         "hparams_search=optuna",
         "hydra.sweeper.n_trials=2",
         "optimize_metric=wall_time_s",
         "hydra.sweeper.direction=minimize",
+        f"hydra.sweeper.storage='{storage}'",
     ]
     proc = multirun(args, sweep, cache_dir)
     assert proc.returncode == 0, explain(proc)
@@ -115,8 +130,188 @@ def test_optuna_search_returns_the_configured_metric(tmp_path, cache_dir, capsys
     assert set(result["best_params"]) == {"optim.lr", "clip", "clip.max_norm", "clip.value"}
     times = [json.loads((sweep / j / "metrics.json").read_text())["wall_time_s"] for j in ("0", "1")]
     assert result["best_value"] == min(times)
+    assert result["trials"] == {"complete": 2, "pruned": 0, "fail": 0}
     rows, printed = summary_rows(sweep, capsys)
     assert len(rows) == 2 and "Optuna best" in printed
+
+    # A later sweep on the same storage continues the study: its trial is the study's third, in job directory 2.
+    later = tmp_path / "later"
+    proc = multirun([*args[:1], "hydra.sweeper.n_trials=1", *args[2:]], later, cache_dir)
+    assert proc.returncode == 0, explain(proc)
+    assert trial_states(storage) == ["COMPLETE"] * 3
+    assert (later / "2" / "metrics.json").is_file() and not (later / "0").exists()
+
+
+@pytest.mark.slow
+def test_optuna_grid_runs_every_clip_mode(tmp_path, cache_dir, capsys):
+    # The search space's clip choices through train.py -m, `inf` included: Hydra reads a bare `inf` as a float and
+    # refused `clip=inf` as a config group option, which ended the sweep of the old sweeper at the first draw of it.
+    needs_optuna()
+    sweep = tmp_path / "sweep"
+    args = [
+        "hparams_search=optuna",
+        "hydra/sweeper/sampler=grid",
+        # the grid takes choices only: the interval params are fixed on the command line
+        "optim.lr=1.0",
+        "clip.max_norm=1.0",
+        "clip.value=1.0",
+    ]
+    proc = multirun(args, sweep, cache_dir)
+    assert proc.returncode == 0, explain(proc)
+    modes = [
+        yaml.safe_load((sweep / j / ".hydra" / "config.yaml").read_text())["clip"]["mode"] for j in "0123"
+    ]
+    assert sorted(modes) == ["inf", "none", "norm", "value"]
+    assert all((sweep / j / "metrics.json").is_file() for j in "0123") and not (sweep / "4").exists()
+    result = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert result["trials"] == {"complete": 4, "pruned": 0, "fail": 0}
+    assert trial_states(f"sqlite:///{sweep / 'optuna.db'}") == ["COMPLETE"] * 4
+    rows, _ = summary_rows(sweep, capsys)
+    assert sorted(r["clip"] for r in rows) == [
+        "inf",
+        "none",
+        "norm",
+        "value",
+    ]  # no quotes left from clip='inf'
+
+
+@pytest.mark.slow
+def test_optuna_prunes_and_records_stopped_trials(tmp_path, cache_dir, capsys):
+    # Every (max_steps, fault) pair once. The threshold pruner gives up on a valid ExpRate below 50% (every tiny run's):
+    # the 6-step trial is pruned at its first evaluation, step 2; the 2-step trial's only evaluation is its last, so
+    # it completes. The inf_loss trials exhaust their skip budget (the guard stops them, exit 3 on their own): failed,
+    # and the search goes on.
+    needs_optuna()
+    sweep = tmp_path / "sweep"
+    args = [
+        "hparams_search=optuna",
+        "hydra/sweeper/sampler=grid",
+        "hydra/sweeper/pruner=threshold",
+        "hydra.sweeper.pruner.lower=50",
+        "trainer.max_steps=choice(2,6)",
+        "fault=choice(none,inf_loss)",
+        "trainer.eval_every=2",
+        "fault.step=0",
+        "fault.steps=10",
+        "guard.max_consecutive_skips=1",
+        "optim.lr=1.0",
+        "clip=norm",
+        "clip.max_norm=1.0",
+        "clip.value=1.0",
+    ]
+    proc = multirun(args, sweep, cache_dir)
+    assert proc.returncode == 0, explain(proc)
+    by_trial = {}
+    for job in "0123":
+        overrides = yaml.safe_load((sweep / job / ".hydra" / "overrides.yaml").read_text())
+        by_trial[int(job)] = (
+            next(o.split("=")[1] for o in overrides if o.startswith("trainer.max_steps=")),
+            next(o.split("=")[1] for o in overrides if o.startswith("fault=")),
+        )
+    states = dict(zip(range(4), trial_states(f"sqlite:///{sweep / 'optuna.db'}")))
+    assert {by_trial[n]: state for n, state in states.items()} == {
+        ("2", "none"): "COMPLETE",
+        ("6", "none"): "PRUNED",
+        ("2", "inf_loss"): "FAIL",
+        ("6", "inf_loss"): "FAIL",
+    }
+    pruned_job = sweep / str(next(n for n, s in states.items() if s == "PRUNED"))
+    metrics = json.loads((pruned_job / "metrics.json").read_text())
+    assert metrics["pruned"] is True and metrics["steps"] == 2 and "test_exprate" not in metrics
+    result = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert result["trials"] == {"complete": 1, "pruned": 1, "fail": 2}
+
+    rows, printed = summary_rows(sweep, capsys)
+    status = {(r["trainer.max_steps"], r["fault"]): r["status"] for r in rows}
+    assert status == {
+        ("2", "none"): "ok",
+        ("6", "none"): "pruned",
+        ("2", "inf_loss"): "stopped",
+        ("6", "inf_loss"): "stopped",
+    }
+    assert "2 failed or stopped, 1 pruned" in printed
+    assert "| pruned |" in (sweep / "summary.md").read_text()
+
+
+def test_a_trial_reports_each_evaluation_and_the_median_pruner_stops_a_poor_one(tmp_path):
+    # The hook the trainer calls at each evaluation, fed as the sweeper feeds it: through the environment and the
+    # study's storage. Two finished trials had ExpRate 40 and 60 at step 100 (median 50).
+    optuna = needs_optuna()
+    from wapstable.sweep import TRIAL_ENV, pruning_callback, reported_key
+
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    study = optuna.create_study(study_name="s", storage=storage, direction="maximize")
+    for value in (40.0, 60.0):
+        done = study.ask()
+        done.report(value, 100)
+        study.tell(done, value)
+    pruner = {"_target_": "optuna.pruners.MedianPruner", "n_startup_trials": 2, "n_warmup_steps": 0}
+
+    def hook(metric="best_valid_exprate"):
+        trial = study.ask()
+        env = {
+            TRIAL_ENV: json.dumps(
+                {
+                    "storage": storage,
+                    "study": "s",
+                    "pruner": pruner,
+                    "trial_id": trial._trial_id,
+                    "trial": trial.number,
+                }
+            )
+        }
+        return trial, pruning_callback(metric, env)
+
+    poor, on_eval = hook()
+    assert on_eval({"step": 100, "exprate": 10.0, "wer": 90.0, "loss": 3.0}) is True
+    good, on_eval = hook()
+    assert on_eval({"step": 100, "exprate": 70.0, "wer": 20.0, "loss": 1.0}) is False
+    stored = {t.number: t.intermediate_values for t in study.get_trials()}
+    assert stored[poor.number] == {100: 10.0} and stored[good.number] == {100: 70.0}
+    # A metric with no validation figure in the study's direction (wall time, maximised) is not pruned on.
+    assert hook("wall_time_s")[1] is None
+    assert pruning_callback("best_valid_exprate", {}) is None  # outside a sweep
+    assert (
+        reported_key("best_valid_exprate", True) == "exprate"
+        and reported_key("final_valid_wer", False) == "wer"
+    )
+    assert reported_key("best_valid_exprate", False) is None
+
+
+def test_sweep_overrides_parse_back_to_the_drawn_value():
+    # A config group's options are strings, whatever the grammar makes of them; other values keep their type.
+    needs_optuna()
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from hydra_plugins.wapstable_optuna._impl import distribution, override_text
+
+    parser = OverridesParser.create()
+    dist, texts = distribution(parser.parse_override("clip=choice(none, norm, value, inf)"), is_group=True)
+    assert list(dist.choices) == ["none", "norm", "value", "inf"]
+    assert texts == {"none": "none", "norm": "norm", "value": "value", "inf": "'inf'"}
+    assert parser.parse_override(f"clip={texts['inf']}").value() == "inf"
+    dist, texts = distribution(parser.parse_override("clip.max_norm=choice(1, 2.5, inf)"), is_group=False)
+    assert list(dist.choices) == [1, 2.5, float("inf")] and texts[float("inf")] == "inf"
+    lr, _ = distribution(parser.parse_override("optim.lr=tag(log, interval(3e-4, 1e-2))"), is_group=False)
+    assert lr.log and (lr.low, lr.high) == (3e-4, 1e-2)
+    values = [
+        "inf",
+        "1",
+        "true",
+        "null",
+        "it's",
+        "a b",
+        '{"a":1}',
+        "x\\'y\\",
+        "a,b",
+        3,
+        0.003,
+        float("inf"),
+        True,
+    ]
+    for value in values:
+        parsed = parser.parse_override(f"k={override_text(value)}").value()
+        assert parsed == value and type(parsed) is type(value), value
 
 
 @pytest.mark.slow
@@ -147,10 +342,44 @@ def test_summary_of_a_folder_without_jobs_is_an_error(tmp_path, capsys):
 
 def test_launcher_and_search_configs_compose():
     needs("hydra_submitit_launcher")
-    needs("hydra_optuna_sweeper")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         slurm = compose("config", overrides=["hydra/launcher=slurm"], return_hydra_config=True)
         search = compose("config", overrides=["hparams_search=optuna"], return_hydra_config=True)
+        no_pruning = compose(
+            "config",
+            overrides=["hparams_search=optuna", "hydra/sweeper/pruner=none"],
+            return_hydra_config=True,
+        )
     assert slurm.hydra.launcher._target_.endswith("SlurmLauncher") and slurm.hydra.launcher.gpus_per_node == 1
-    assert search.hydra.sweeper._target_.endswith("OptunaSweeper")
-    assert search.hydra.sweeper.direction == "maximize" and search.optimize_metric == "best_valid_exprate"
+    sweeper = search.hydra.sweeper
+    assert sweeper._target_.endswith("wapstable_optuna.optuna_sweeper.WapstableOptunaSweeper")
+    assert sweeper.direction == "maximize" and search.optimize_metric == "best_valid_exprate"
+    assert sweeper.sampler._target_ == "optuna.samplers.TPESampler" and sweeper.sampler.seed == 0
+    assert sweeper.pruner._target_ == "optuna.pruners.MedianPruner" and sweeper.pruner.n_startup_trials == 5
+    assert sweeper.params.clip == "choice(none, norm, value, inf)"
+    assert no_pruning.hydra.sweeper.pruner._target_ == "optuna.pruners.NopPruner"
+
+
+def test_the_command_line_wins_over_the_search_space_and_each_key_is_given_once():
+    needs_optuna()
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.wapstable_optuna._impl import OptunaSearch
+
+    search = OptunaSearch(
+        sampler=OmegaConf.create({"_target_": "optuna.samplers.TPESampler"}),
+        pruner=OmegaConf.create({"_target_": "optuna.pruners.NopPruner"}),
+        direction="maximize",
+        study_name="s",
+        storage=None,
+        n_trials=2,
+        n_jobs=1,
+        params=OmegaConf.create({"optim.lr": "interval(0.1, 1.0)", "clip": "choice(none, inf)"}),
+    )
+    search.is_group = lambda key: key == "clip"
+    # The tiny settings fix max_steps, then the test searches it; optim.lr is fixed over its params interval.
+    space, texts, fixed = search.search_space(
+        ["trainer.max_steps=3", "trainer.max_steps=choice(2,6)", "optim.lr=0.5"]
+    )
+    assert set(space) == {"clip", "trainer.max_steps"} and fixed == ["optim.lr=0.5"]
+    assert texts["clip"]["inf"] == "'inf'" and list(space["trainer.max_steps"].choices) == [2, 6]

@@ -172,7 +172,9 @@ class TrainerConfig:
     ddp: bool = False
     consistency_every: int = 100
     progress: bool = True
-    threads: int = 0  # torch intra-op threads; 0 = torch's default
+    # torch intra-op threads: auto = the cores this process may use divided by the processes sharing them
+    # (torchrun's ranks, a joblib sweep's parallel jobs); a number; 0 = torch's default (every core)
+    threads: int | str = "auto"
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The two ways a run ends early on purpose, and how a script reports the first."""
+"""The ways a run ends early on purpose, and how a script reports the first."""
 
 import sys
 from collections.abc import Callable
@@ -10,6 +10,10 @@ class UserError(ValueError):
 
 class TrainingStopped(RuntimeError):
     """The guard's budget ran out: the run wrote its anomaly checkpoint and stopped."""
+
+
+class TrialPruned(RuntimeError):
+    """A sweep's pruner stopped this trial at an evaluation (`wapstable.sweep`); the sweeper records it as pruned."""
 
 
 def run_script(main: Callable[[], int]) -> None:

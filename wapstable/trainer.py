@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,6 +40,7 @@ from .stability.faults import Fault
 from .stability.guard import SpikeDetector, count_nonfinite_grads
 from .stability.rollback import Rollback
 from .stability.step_guard import Outcome, StepGuard, StepResult
+from .threads import resolve_threads
 from .train.step import autocast, counting_loss, forward_loss, resolve_device, sequence_loss  # noqa: F401
 from .vocab import Vocab
 
@@ -130,7 +132,13 @@ def check_model_compatible(model: torch.nn.Module, state: dict, path: Path) -> N
 
 
 class Trainer:
-    def __init__(self, cfg: DictConfig, overrides: list[str] | None = None):
+    def __init__(
+        self,
+        cfg: DictConfig,
+        overrides: list[str] | None = None,
+        on_eval: Callable[[dict], bool] | None = None,
+        parallel_jobs: int = 1,
+    ):
         self.run_dir = Path(cfg.run_dir)
         resume_path = resolve_resume(cfg, self.run_dir)
         self.resume_state = None
@@ -146,11 +154,13 @@ class Trainer:
         self.resume_path = resume_path
         self.fresh_over_existing = resume_path is None and (self.run_dir / "checkpoints" / "last.pt").exists()
         validate_config(cfg)
+        threads = resolve_threads(cfg.trainer.threads, parallel_jobs)
         self.cfg = cfg
+        self.on_eval = on_eval
         self.dist = distributed.setup(cfg.trainer.ddp, cfg.trainer.device)
         self.device = self.dist.device if cfg.trainer.ddp else resolve_device(cfg.trainer.device)
-        if cfg.trainer.threads > 0:
-            torch.set_num_threads(cfg.trainer.threads)
+        if threads > 0:
+            torch.set_num_threads(threads)
         torch.manual_seed(cfg.seed)
 
         self.splits = load_splits(cfg.data)
@@ -192,6 +202,7 @@ class Trainer:
         self.elapsed_before = 0.0  # training seconds of the runs this one resumes
         self.start_time: float | None = None  # when fit began
         self.stream_before: dict | None = None  # the stream's position before the current step's batch
+        self.pruned = False  # set when on_eval (a sweep's pruner) stops the run
         self.scheduler = build_scheduler(cfg.optim, self.optimizer, cfg.trainer.max_steps, self.time_done)
         self.stream = BatchStream(
             self.splits["train"],
@@ -570,6 +581,8 @@ class Trainer:
                 while self.step < t.max_steps and not time_up:
                     self.log_step(self.train_one(), progress)
                     time_up = self.after_step(progress)
+                    if self.pruned:  # a sweep's pruner gave up on this trial at its evaluation
+                        return self.pruned_metrics()
                     if self.dist.agree(signals.received is not None):  # all ranks stop after the same step
                         return self.stop_for(signals)
         finally:
@@ -591,7 +604,7 @@ class Trainer:
             self.vocab.save(self.run_dir / "vocab.txt")
         self.open_loggers()
         log.info(
-            "model %s: %.2fM parameters; optimizer %s lr %g; clip %s; device %s; precision %s",
+            "model %s: %.2fM parameters; optimizer %s lr %g; clip %s; device %s; precision %s; %d threads",
             cfg.model.name,
             sum(p.numel() for p in self.model.parameters()) / 1e6,
             cfg.optim.name,
@@ -599,6 +612,7 @@ class Trainer:
             cfg.clip.mode,
             self.device,
             cfg.trainer.precision,
+            torch.get_num_threads(),
         )
         self.dist.check_consistency(self.model, self.step)  # same step and weights on every rank (DDP only)
         self.rollback.start(self.state, on_disk=self.trusted_on_disk())
@@ -647,7 +661,8 @@ class Trainer:
         checkpoint_now = self.step % t.checkpoint_every == 0 or last
         self.rollback.maybe_snapshot(self.step, self.state, checkpoint_now)  # on every rank
         if self.step % t.eval_every == 0 or last:
-            self.run_eval(progress)
+            record = self.run_eval(progress)
+            self.pruned = self.ask_pruner(record) and not last  # a finished run is a result
         if checkpoint_now:
             self.save("last")
         return time_up
@@ -677,7 +692,7 @@ class Trainer:
         if self.step % self.cfg.trainer.log_every == 0:
             log.debug("step %d loss %.4f grad_norm %.4g lr %.3g", self.step, out.loss, out.grad_norm, lr)
 
-    def run_eval(self, progress) -> None:
+    def run_eval(self, progress) -> dict:
         result = self.evaluate("valid")
         record = {
             "step": self.step,
@@ -700,17 +715,20 @@ class Trainer:
         if result["exprate"] > self.best["exprate"]:
             self.best = {"exprate": result["exprate"], "step": self.step}
             self.save("best")
+        return record
 
-    def final_metrics(self) -> dict:
-        cfg = self.cfg
-        best_path = self.run_dir / "checkpoints" / "best.pt"
+    def ask_pruner(self, record: dict) -> bool:
+        """Hand an evaluation to `on_eval` (a sweep's pruner, on the main rank); True on every rank if it says stop."""
+        if self.on_eval is None:
+            return False
+        return self.dist.agree(self.dist.is_main and bool(self.on_eval(record)))
+
+    def training_metrics(self) -> dict:
+        """The figures of the training so far (validation, skips, anomalies), without a test evaluation."""
         final_valid = self.evals[-1] if self.evals else {}
-        if best_path.is_file():
-            self.model.load_state_dict(load_checkpoint(best_path)["model"])
-        test = self.evaluate("test", beam_size=cfg.decode.final_beam_size)
         counters = self.counters()
         accepted = max(1, counters["accepted"])
-        metrics = {
+        return {
             "steps": self.step,
             "stopped_by_time": self.stopped_by_time,
             "wall_time_s": round(self.elapsed(), 2),
@@ -718,9 +736,6 @@ class Trainer:
             "best_step": self.best["step"],
             "final_valid_exprate": final_valid.get("exprate"),
             "final_valid_wer": final_valid.get("wer"),
-            "test_exprate": test["exprate"],
-            "test_wer": test["wer"],
-            "test_within_1": test["within_1"],
             "skipped_steps": self.budget.total + counters["scaler_skips"],
             "skipped_nonfinite": self.budget.nonfinite,
             "skipped_spikes": self.budget.spikes,
@@ -731,6 +746,33 @@ class Trainer:
             "localization": self.localization,
             "rollbacks": self.rollback.events,
             "evals": self.evals,
+        }
+
+    def pruned_metrics(self) -> dict:
+        """A pruned trial's figures (no test evaluation: the sweep has given up on it), in metrics.json too."""
+        metrics = {**self.training_metrics(), "pruned": True}
+        log.info(
+            "pruned by the sweep at step %d: valid ExpRate %.2f%% (best %.2f%%)",
+            self.step,
+            self.evals[-1]["exprate"],
+            self.best["exprate"],
+        )
+        self.finish_logs()
+        if self.dist.is_main:
+            write_json(self.run_dir / "metrics.json", metrics)
+        return metrics
+
+    def final_metrics(self) -> dict:
+        cfg = self.cfg
+        best_path = self.run_dir / "checkpoints" / "best.pt"
+        if best_path.is_file():
+            self.model.load_state_dict(load_checkpoint(best_path)["model"])
+        test = self.evaluate("test", beam_size=cfg.decode.final_beam_size)
+        metrics = {
+            **self.training_metrics(),
+            "test_exprate": test["exprate"],
+            "test_wer": test["wer"],
+            "test_within_1": test["within_1"],
         }
         log.info(
             "done: %d steps in %.0f s; best valid ExpRate %.2f%% (step %d); test ExpRate %.2f%%; %d skipped steps",
@@ -775,14 +817,21 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
+def train(
+    cfg: DictConfig,
+    overrides: list[str] | None = None,
+    on_eval: Callable[[dict], bool] | None = None,
+    parallel_jobs: int = 1,
+) -> dict:
     """Train as `cfg` says; returns the metrics dict (also written to `metrics.json` in the run directory).
 
     `overrides` are the command line's overrides: when resuming, they are applied on top of the checkpoint's
-    config (they win); without them the given config is used as it is.
+    config (they win); without them the given config is used as it is. `on_eval` gets each validation's record
+    (step, exprate, wer, loss) and may stop training there by returning True: a sweep's pruner, and the metrics
+    then say `pruned`. `parallel_jobs`: how many runs share this machine's cores (for `trainer.threads=auto`).
     """
     with run_lock(cfg.run_dir):  # one process per run directory (rank 0 under torchrun)
-        trainer = Trainer(cfg, overrides)
+        trainer = Trainer(cfg, overrides, on_eval, parallel_jobs)
         finished = False
         try:
             metrics = trainer.fit()

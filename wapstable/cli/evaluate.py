@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     if split not in SPLITS:
         raise UserError(f"split={split} is unknown; use one of {', '.join(SPLITS)}")
 
+    from wapstable.threads import resolve_threads
     from wapstable.trainer import resolve_device
 
     ckpt = Path(args.checkpoint)
@@ -98,8 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     if beam <= 0 or cfg.decode.max_len <= 0:
         raise UserError("decode.beam_size and decode.max_len must be positive")
     device = resolve_device(cfg.trainer.device)
-    if cfg.trainer.threads > 0:
-        torch.set_num_threads(cfg.trainer.threads)
+    threads = resolve_threads(cfg.trainer.threads)
+    if threads > 0:
+        torch.set_num_threads(threads)
 
     model = model.to(device)
     samples = load_splits(d, which=(split,))[split]

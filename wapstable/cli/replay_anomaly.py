@@ -18,6 +18,7 @@ import yaml
 from wapstable.checkpoint import load_checkpoint
 from wapstable.errors import UserError
 from wapstable.stability.replay import replay, summarize
+from wapstable.threads import resolve_threads
 from wapstable.trainer import strict
 
 
@@ -116,11 +117,10 @@ def main(argv=None) -> int:
                 f"{args.path} is a training checkpoint without an 'anomaly' entry, not an anomaly checkpoint; "
                 "give a file from the run's anomalies/ folder"
             )
-        threads = (state.get("config") or {}).get("trainer", {}).get("threads", 0)
-        if threads and threads > 0:
-            torch.set_num_threads(
-                threads
-            )  # as the run did: tiny ops on many threads are slow on a busy machine
+        # as the run did: tiny ops on many threads are slow on a busy machine
+        threads = resolve_threads((state.get("config") or {}).get("trainer", {}).get("threads", 0))
+        if threads > 0:
+            torch.set_num_threads(threads)
         report = replay(state, args.device, overrides)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -3,8 +3,9 @@
 
 Each job directory (one holding `.hydra/overrides.yaml`) is a row: the overrides that differ between jobs, best
 valid ExpRate, test ExpRate, skipped steps, anomalies, clip fraction, wall time. A job without `metrics.json` is a
-failed row whose note is the error its log ends with; the script itself does not fail on it. Prints the table and
-writes `summary.csv` (raw numbers), `summary.md` and `summary.png` (ExpRate against each swept value).
+failed row whose note is the error its log ends with; the script itself does not fail on it. A trial the Optuna
+sweep's pruner stopped is a `pruned` row with its figures up to then (no test ExpRate). Prints the table and writes
+`summary.csv` (raw numbers), `summary.md` and `summary.png` (ExpRate against each swept value).
 """
 
 import argparse
@@ -47,6 +48,8 @@ def parse_overrides(job: Path) -> dict[str, str]:
     out = {}
     for item in yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text()) or []:
         key, _, value = str(item).partition("=")
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":  # clip='inf': quoted for Hydra
+            value = value[1:-1]
         out[key.lstrip("+~")] = value
     return out
 
@@ -82,8 +85,10 @@ def summarize(sweep_dir: Path) -> tuple[list[str], list[dict]]:
             if "status" not in row:
                 row["status"], row["note"] = failure_note(job)
         else:
-            row["status"] = "preempted" if metrics.get("preempted") else "ok"
-            row["note"] = ""
+            row["status"] = (
+                "preempted" if metrics.get("preempted") else "pruned" if metrics.get("pruned") else "ok"
+            )
+            row["note"] = f"pruned at step {metrics.get('steps')}" if metrics.get("pruned") else ""
             for column, key, _ in METRICS:
                 value = metrics.get(key)
                 row[column] = len(value) if isinstance(value, list) else value
@@ -169,8 +174,9 @@ def plot(path: Path, swept: list[str], rows: list[dict]) -> None:
         ok = [
             (x, r)
             for x, r in zip(xs, rows)
-            if r["status"] != "failed" and r.get("best_valid_exprate") is not None
+            if r["status"] not in ("failed", "pruned") and r.get("best_valid_exprate") is not None
         ]
+        pruned = [(x, r["best_valid_exprate"]) for x, r in zip(xs, rows) if r["status"] == "pruned"]
         failed = [
             x for x, r in zip(xs, rows) if r["status"] == "failed" or r.get("best_valid_exprate") is None
         ]
@@ -179,6 +185,8 @@ def plot(path: Path, swept: list[str], rows: list[dict]) -> None:
             test = [(x, r["test_exprate"]) for x, r in ok if r.get("test_exprate") is not None]
             if test:
                 ax.scatter(*zip(*test), marker="^", label="test")
+        if pruned:
+            ax.scatter(*zip(*pruned), marker="v", color="grey", label="pruned (valid so far)")
         if failed:
             ax.scatter(failed, [0.0] * len(failed), marker="x", color="red", label="failed")
         top = max(
@@ -224,9 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     if best.is_file():
         result = yaml.safe_load(best.read_text()) or {}
         footer = f"Optuna best: {result.get('best_params')} -> {result.get('best_value')}"
+        if result.get("trials"):  # this sweep's trials by how they ended
+            footer += " (trials: " + ", ".join(f"{n} {state}" for state, n in result["trials"].items()) + ")"
     n_failed = sum(r["status"] in ("failed", "stopped") for r in rows)
+    n_pruned = sum(r["status"] == "pruned" for r in rows)
     print(table)
-    print(f"\n{len(rows)} jobs, {n_failed} failed or stopped" + (f"\n{footer}" if footer else ""))
+    counts = f"{len(rows)} jobs, {n_failed} failed or stopped" + (f", {n_pruned} pruned" if n_pruned else "")
+    print(f"\n{counts}" + (f"\n{footer}" if footer else ""))
     write_csv(out / "summary.csv", swept, rows)
     (out / "summary.md").write_text(markdown_table(swept, rows) + (f"\n\n{footer}\n" if footer else "\n"))
     written = ["summary.csv", "summary.md"]

@@ -14,7 +14,7 @@ import hydra
 from omegaconf import DictConfig
 
 from wapstable.config import CONF_DIR, quote_group_options, register_configs
-from wapstable.errors import TrainingStopped, UserError
+from wapstable.errors import TrainingStopped, TrialPruned, UserError
 
 register_configs()
 log = logging.getLogger("wapstable")
@@ -26,13 +26,21 @@ def hydra_main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from wapstable.sweep import pruning_callback
+    from wapstable.threads import parallel_jobs
     from wapstable.trainer import train
 
     # In a sweep a failed job raises: the launcher records it as failed and runs the others (sys.exit would end the
     # whole sweep); Hydra exits non-zero once every job has run.
-    sweep = HydraConfig.get().mode == RunMode.MULTIRUN
+    hc = HydraConfig.get()
+    sweep = hc.mode == RunMode.MULTIRUN
     try:
-        metrics = train(cfg, overrides=list(HydraConfig.get().overrides.task))
+        metrics = train(
+            cfg,
+            overrides=list(hc.overrides.task),
+            on_eval=pruning_callback(cfg.optimize_metric),  # None outside an Optuna sweep's trial
+            parallel_jobs=parallel_jobs(hc.launcher, hc.sweeper) if sweep else 1,
+        )
     except UserError as e:
         log.error("error: %s", e)
         if sweep:
@@ -48,6 +56,8 @@ def hydra_main(cfg: DictConfig) -> float | None:
         # not finished, so not 0 (a `&&` chain or a scheduler's afterok must not take it for done). Also in a
         # sweep: the node is going away, so the remaining jobs must not start on it.
         sys.exit(metrics["exit_code"])
+    if metrics.get("pruned"):  # the Optuna sweeper records the trial as pruned
+        raise TrialPruned(f"pruned at step {metrics['steps']}")
     return metrics.get(cfg.optimize_metric)
 
 

@@ -1,0 +1,64 @@
+"""trainer.threads=auto: each process gets its share of the cores it may run on, and the run's log says how many."""
+
+import os
+
+import pytest
+from conftest import run_train
+
+from wapstable.errors import UserError
+from wapstable.threads import parallel_jobs, resolve_threads
+
+
+@pytest.fixture
+def cores(monkeypatch):
+    """Pretend this process may run on `n` cores (its affinity mask), outside torchrun."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+
+    def set_cores(n: int) -> None:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(n)))
+
+    return set_cores
+
+
+def test_auto_divides_the_available_cores_among_the_processes(cores, monkeypatch):
+    cores(8)
+    assert resolve_threads("auto") == 8
+    assert resolve_threads("auto", parallel=2) == 4  # two joblib trials at once
+    assert resolve_threads("auto", parallel=3) == 2  # rounded down: 3 x 2 threads on 8 cores
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun --nproc_per_node=4
+    assert resolve_threads("auto") == 2
+    assert resolve_threads("auto", parallel=16) == 1  # never fewer than one
+    cores(2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert resolve_threads("auto") == 1
+
+
+def test_numbers_stay_as_given(cores):
+    cores(2)
+    assert resolve_threads(4) == 4  # more than the cores: the user's call
+    assert resolve_threads("4") == 4  # trainer.threads='4'
+    assert resolve_threads(0) == 0  # torch's default
+    assert resolve_threads(1, parallel=8) == 1
+
+
+@pytest.mark.parametrize("bad", [-3, "many", "-1", True, 1.5])
+def test_bad_values_are_one_sentence_naming_the_key(bad):
+    with pytest.raises(UserError, match=r"^trainer\.threads=.* is not a thread count; use auto"):
+        resolve_threads(bad)
+
+
+def test_parallel_jobs_of_a_joblib_sweep(cores):
+    cores(8)
+    joblib = {"_target_": "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher", "n_jobs": 4}
+    assert parallel_jobs(joblib, {"max_batch_size": None}) == 4
+    assert parallel_jobs(joblib, {"n_jobs": 2}) == 2  # the Optuna sweeper launches 2 trials per batch
+    assert parallel_jobs({**joblib, "n_jobs": -1}, {}) == 8  # joblib's -1: every core
+    assert parallel_jobs({**joblib, "n_jobs": -2}, {}) == 7
+    basic = {"_target_": "hydra._internal.core_plugins.basic_launcher.BasicLauncher"}
+    assert parallel_jobs(basic, {"max_batch_size": None}) == 1
+
+
+def test_a_run_logs_its_thread_count(tmp_path, cache_dir):
+    proc = run_train(["trainer.threads=auto"], tmp_path / "run", cache_dir)
+    expected = len(os.sched_getaffinity(0))
+    assert f"; device cpu; precision 32; {expected} threads" in proc.stdout + proc.stderr
