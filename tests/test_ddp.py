@@ -235,11 +235,11 @@ def test_torchrun_argv(monkeypatch, capsys):
     extra = torchrun_argv(argv)[len(argv) :]
     assert "hydra.output_subdir=null" in extra
     assert any(a.endswith(".rank1.log") for a in extra)
-    for bad in (["train.py", "trainer.ddp=true"], ["train.py", "-m", "hydra.run.dir=x"]):
-        with pytest.raises(SystemExit) as e:
-            torchrun_argv(bad)
-        assert e.value.code == 2
-    assert "hydra.run.dir" in capsys.readouterr().err
+    # Library code raises; the entry point (wapstable/cli/train.py) prints the sentence and exits 2.
+    with pytest.raises(UserError, match="add hydra.run.dir=outputs/NAME"):
+        torchrun_argv(["train.py", "trainer.ddp=true"])
+    with pytest.raises(UserError, match="start sweeps without torchrun"):
+        torchrun_argv(["train.py", "-m", "hydra.run.dir=x"])
 
 
 def test_batches_are_split_across_ranks_without_overlap():
@@ -262,3 +262,18 @@ def test_batches_are_split_across_ranks_without_overlap():
     # What the ranks actually train on in one epoch: disjoint sets of samples, the same number of batches.
     seen = [[i for _ in range(len(s)) for i in s.next().ids] for s in streams]
     assert not set(seen[0]) & set(seen[1])
+
+
+def test_torchrun_without_a_run_directory_is_one_sentence_and_exit_2(tmp_path):
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}  # as torchrun sets them
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "trainer.ddp=true"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "error: under torchrun every rank must write to the same run directory" in proc.stderr
+    assert "Traceback" not in proc.stderr and not list(tmp_path.iterdir())

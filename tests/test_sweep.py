@@ -237,7 +237,7 @@ def test_a_trial_reports_each_evaluation_and_the_median_pruner_stops_a_poor_one(
     # The hook the trainer calls at each evaluation, fed as the sweeper feeds it: through the environment and the
     # study's storage. Two finished trials had ExpRate 40 and 60 at step 100 (median 50).
     optuna = needs_optuna()
-    from wapstable.sweep import TRIAL_ENV, pruning_callback, reported_key
+    from wapstable.sweep import TRIAL_ENV, pruning_callback, reported_key, reported_value
 
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"
     study = optuna.create_study(study_name="s", storage=storage, direction="maximize")
@@ -267,7 +267,22 @@ def test_a_trial_reports_each_evaluation_and_the_median_pruner_stops_a_poor_one(
     good, on_eval = hook()
     assert on_eval({"step": 100, "exprate": 70.0, "wer": 20.0, "loss": 1.0}) is False
     stored = {t.number: t.intermediate_values for t in study.get_trials()}
-    assert stored[poor.number] == {100: 10.0} and stored[good.number] == {100: 70.0}
+    assert stored[poor.number] == {100: pytest.approx(10.0 - 3e-6)}
+    assert stored[good.number] == {100: pytest.approx(70.0 - 1e-6)}
+    # Early on every trial reads 0 %: the valid loss breaks the tie, so a trial that fits worse is still pruned.
+    tied = optuna.create_study(study_name="tied", storage=storage, direction="maximize")
+    for loss in (2.0, 4.0):
+        done = tied.ask()
+        done.report(reported_value({"exprate": 0.0, "loss": loss}, "exprate"), 100)
+        tied.tell(done, 0.0)
+    study = tied
+    info = {"storage": storage, "study": "tied", "pruner": pruner}
+    worse, better = study.ask(), study.ask()
+    for trial, loss, pruned in ((worse, 5.0, True), (better, 1.0, False)):
+        env = {TRIAL_ENV: json.dumps({**info, "trial_id": trial._trial_id, "trial": trial.number})}
+        assert (
+            pruning_callback("best_valid_exprate", env)({"step": 100, "exprate": 0.0, "loss": loss}) is pruned
+        )
     # A metric with no validation figure in the study's direction (wall time, maximised) is not pruned on.
     assert hook("wall_time_s")[1] is None
     assert pruning_callback("best_valid_exprate", {}) is None  # outside a sweep

@@ -3,8 +3,8 @@
 The sweeper (`hydra_plugins/wapstable_optuna`) starts each trial as a Hydra job whose environment
 (`hydra.job.env_set`) holds TRIAL_ENV, a JSON object: the study's storage URL, the study's name, the trial's id and
 the pruner's config. `pruning_callback` turns it into the trainer's `on_eval`: after each validation the trial
-reports its valid ExpRate at that step to the storage, and the pruner compares it with the finished trials' at the
-same step. Everything goes through the storage (an SQLite file by default), so a trial running in the sweep's own
+reports its valid ExpRate at that step (the valid loss breaking ties) to the storage, and the pruner compares it
+with the finished trials' at the same step. Everything goes through the storage (an SQLite file by default), so a trial running in the sweep's own
 process (basic launcher), in a joblib worker or in a submitit job is pruned the same way. Optuna is imported only
 inside a trial.
 """
@@ -12,6 +12,7 @@ inside a trial.
 import importlib
 import json
 import logging
+import math
 import os
 from collections.abc import Callable, Mapping
 
@@ -37,15 +38,32 @@ def build_pruner(spec: Mapping):
     )
 
 
+TIE_BREAK = (
+    1e-6  # times the valid loss: ExpRate and WER move in whole samples, and early on they all tie at 0/100
+)
+
+
+def reported_value(record: dict, key: str) -> float:
+    """`record[key]`, with the valid loss breaking ties (ExpRate minus, WER plus 1e-6 x loss: far below one sample's
+    worth), so that trials that all still read 0 % are told apart by how well they fit; a non-finite loss ranks last."""
+    value = float(record[key])
+    if key in ("exprate", "wer"):
+        loss = float(record.get("loss", 0.0))
+        penalty = TIE_BREAK * min(loss, 1e6) if math.isfinite(loss) else 1.0
+        value += -penalty if key == "exprate" else penalty
+    return value
+
+
 class TrialReporter:
-    """`on_eval` for one trial: reports `record[key]` at `record["step"]`, returns True when the trial is pruned."""
+    """`on_eval` for one trial: reports `record[key]` (ties broken by the loss) at `record["step"]`, returns True
+    when the trial is pruned."""
 
     def __init__(self, trial, key: str):
         self.trial, self.key = trial, key
 
     def __call__(self, record: dict) -> bool:
         try:
-            self.trial.report(float(record[self.key]), int(record["step"]))
+            self.trial.report(reported_value(record, self.key), int(record["step"]))
             return bool(self.trial.should_prune())
         except Exception as e:  # a storage hiccup must not end the trial it is reporting on
             log.warning("could not report step %s to the Optuna study: %s", record["step"], e)
