@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: train test lint format bench clean
+.PHONY: train test lint format bench figures clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ format: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) scripts/bench.py $(ARGS)
+
+# The README's pictures into docs/; ARGS="--run RUN_DIR --checkpoint CKPT" adds the ExpRate curve and attention maps.
+figures: $(VENV)/.installed
+	$(PY) scripts/figures.py $(ARGS)
 
 clean:
 	rm -rf outputs multirun .pytest_cache
