@@ -4,13 +4,15 @@ VENV := .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: train test lint format bench figures clean
+.PHONY: install train test lint format bench figures clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
+
+install: $(VENV)/.installed
 
 train: $(VENV)/.installed
 	$(PY) train.py $(ARGS)
