@@ -143,14 +143,15 @@ def exprate_curve(out: Path, run: Path) -> Path:
     steps = [e["step"] for e in evals]
     fig = Figure(figsize=(6.4, 3.8), dpi=100)
     ax = fig.subplots()
-    ax.plot(steps, [e["exprate"] for e in evals], "o-", color="tab:blue", label="valid ExpRate (greedy)")
+    ax.plot(steps, [e["exprate"] for e in evals], "o-", color="tab:blue", label="valid ExpRate")
     ax.plot(steps, [e["wer"] for e in evals], "s--", color="tab:gray", label="valid token error rate")
-    if metrics.get("test_exprate") is not None:
-        ax.plot([steps[-1]], [metrics["test_exprate"]], "*", ms=13, color="tab:red",
-                label=f"test ExpRate of the best checkpoint (beam): {metrics['test_exprate']:.1f} %")  # fmt: skip
+    if metrics.get("test_exprate") is not None:  # drawn at the step of the checkpoint it was measured with
+        test, best = metrics["test_exprate"], metrics.get("best_step") or steps[-1]
+        label = f"test ExpRate of the best checkpoint: {test:.1f} %"
+        ax.plot([best], [test], "*", ms=13, color="tab:red", label=label)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("%")
-    ax.set_ylim(0, 100)
+    ax.set_ylim(-2, max(100, *(e["wer"] for e in evals)) + 3)  # an untrained model's WER passes 100 %
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="center right")
     minutes = metrics.get("wall_time_s", 0) / 60
