@@ -153,7 +153,7 @@ def exprate_curve(out: Path, run: Path) -> Path:
     ax.set_ylabel("%")
     ax.set_ylim(-2, max(100, *(e["wer"] for e in evals)) + 3)  # an untrained model's WER passes 100 %
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="center right")
+    ax.legend(fontsize=8, loc="upper right")
     minutes = metrics.get("wall_time_s", 0) / 60
     ax.set_title(
         f"{run.resolve().name}: {metrics.get('steps', steps[-1])} steps, {minutes:.1f} min", fontsize=10
