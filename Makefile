@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: train test lint format bench clean
+.PHONY: install train test lint format bench figures clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -13,6 +13,8 @@ $(VENV)/.installed: pyproject.toml
 	@# an environment from before the sweeper moved into this repo: its plugin would clash with ours
 	$(PY) -m pip uninstall --quiet --yes hydra-optuna-sweeper 2>/dev/null || true
 	touch $@
+
+install: $(VENV)/.installed
 
 train: $(VENV)/.installed
 	$(PY) train.py $(ARGS)
@@ -30,6 +32,10 @@ format: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) scripts/bench.py $(ARGS)
+
+# The README's pictures into docs/; ARGS="--run RUN_DIR --checkpoint CKPT" adds the ExpRate curve and attention maps.
+figures: $(VENV)/.installed
+	$(PY) scripts/figures.py $(ARGS)
 
 clean:
 	rm -rf outputs multirun .pytest_cache

@@ -2,8 +2,9 @@
 
     python examples/plain_loop.py
 
-Two models: the gradient-explosion seed's LinearNet (inputs like 120 and -200 make its gradients huge, so it
-is clipped by the infinity norm to 2, as the seed does by hand with `clip_grad_norm_(..., norm_type='inf')`), and
+Two models: the gradient-explosion example's LinearNet (a linear layer of ones; inputs like 120 and -200 make its
+gradients huge, so it is clipped by the infinity norm to 2, as one would by hand with
+`clip_grad_norm_(..., norm_type='inf')`), and
 a small network with BatchNorm. In each loop one batch carries a NaN: the guard skips that step and the script
 checks that the weights, the optimizer state and BatchNorm's running statistics are bit-identical to before it.
 """
@@ -19,7 +20,7 @@ from wapstable.checkpoint import load_checkpoint
 from wapstable.stability import StepGuard
 
 
-class LinearNet(nn.Module):  # the seed's model: weights 1, bias 0
+class LinearNet(nn.Module):  # the example's model: weights 1, bias 0
     def __init__(self, features_in=5, features_out=5):
         super().__init__()
         self.linear = nn.Linear(features_in, features_out)
@@ -81,7 +82,7 @@ def train(name, model, optimizer, loss_fn, batches, anomaly_dir, **clip) -> bool
 def main() -> int:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        # The seed's batch, and the same with noise; step 3's input holds a NaN.
+        # The example's batch, and the same with noise; step 3's input holds a NaN.
         x = torch.tensor([120, 200, 0.5, -200, 1.0])
         target = torch.tensor([2, 1, 5, 10, 40.0])
         batches = [(x + torch.randn(5), target) for _ in range(12)]

@@ -47,8 +47,8 @@ def test_value_mode_equals_torch():
     assert max(float(p.grad.abs().max()) for p in a) <= 3.0
 
 
-def test_seed_003_linear_net_inf_norm():
-    """Seed 003's worked example: Linear(5,5) of ones, L1 loss, then inf-norm clipping to 2."""
+def test_gradient_explosion_linear_net_inf_norm():
+    """The gradient-explosion worked example: Linear(5,5) of ones, L1 loss, then inf-norm clipping to 2."""
 
     def run(clip):
         net = torch.nn.Linear(5, 5)

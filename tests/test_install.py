@@ -21,6 +21,7 @@ COMMANDS = [
     "wapstable-grad-report",
     "wapstable-summarize-sweep",
     "wapstable-bench",
+    "wapstable-figures",
 ]
 
 
@@ -145,6 +146,11 @@ def test_console_commands_after_a_non_editable_install(installed, elsewhere, cac
     proc = command(installed, elsewhere, "wapstable-summarize-sweep", elsewhere / "outputs", "--no-plot")
     assert proc.returncode == 0, explain(proc)
     assert "1 jobs, 0 failed" in proc.stdout and (elsewhere / "outputs" / "summary.csv").is_file()
+
+    # The pictures that need no training, and the ExpRate curve of the run: the installed data config is found.
+    proc = command(installed, elsewhere, "wapstable-figures", "--only", "samples", "exprate", "--run", run)
+    assert proc.returncode == 0, explain(proc)
+    assert all((elsewhere / "docs" / f).is_file() for f in ("samples.png", "exprate-curve.png"))
 
 
 def test_a_console_command_reports_a_user_error_in_one_line(installed, elsewhere):

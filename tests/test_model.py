@@ -183,7 +183,7 @@ def test_bad_config_names_the_key():
 
 @pytest.mark.parametrize("stable", [False, True])
 def test_attention_overflow_fault_end_to_end(stable):
-    # Seed 000 through the whole model: energies x 1e4 overflow the naive exp; the stable softmax stays finite.
+    # The attention overflow through the whole model: energies x 1e4 overflow the naive exp; the stable softmax stays finite.
     torch.manual_seed(0)
     cfg = tiny_cfg("vgg")
     cfg.attention.stable = stable

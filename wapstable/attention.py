@@ -1,6 +1,6 @@
-"""WAP's coverage attention and the masked softmax whose naive form made the seed run die of NaN.
+"""WAP's coverage attention and the masked softmax whose naive form made a WAP run die of NaN.
 
-Seed 000: the original WAP code computes `alpha = exp(e) * mask; alpha / alpha.sum()` with no max subtraction.
+The failure: the original WAP code computes `alpha = exp(e) * mask; alpha / alpha.sum()` with no max subtraction.
 e = 92 already overflows float32 (limit about e^88.7; float16 about e^11.1), and then inf * 0 or inf / inf is NaN.
 `masked_softmax(stable=True)` subtracts the per-row max over valid positions first (softmax is shift-invariant).
 """
@@ -85,7 +85,7 @@ class CoverageAttention(nn.Module):
         # No bias on v: softmax is shift-invariant, a bias there would get zero gradient.
         self.v = nn.Linear(dim, 1, bias=False)
         self.stable = stable
-        # Fault-injection hook: 1e4 makes the naive softmax overflow, reproducing seed 000 end to end.
+        # Fault-injection hook: 1e4 makes the naive softmax overflow, reproducing the overflow end to end.
         self.energy_scale = 1.0
 
     def project_features(self, features: Tensor, grid: tuple[int, int] | None = None) -> Tensor:

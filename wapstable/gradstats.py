@@ -1,6 +1,6 @@
 """Per-layer gradient statistics (`grad_stats.csv`), their scalars, TensorBoard histograms, and attention images.
 
-Seed 003's method: log every layer's gradient and weight figures, tell gradient explosion from the statistics, and
+The usual method against exploding gradients: log every layer's gradient and weight figures, tell gradient explosion from the statistics, and
 pick the clip threshold from them (`scripts/grad_report.py` reads the CSV and suggests one). The trainer calls three
 hooks: `capture` before clipping, `finish` when the step is done (or skipped), `log_attention` at each evaluation.
 Figures are computed only every `stats.every` steps and on anomalous steps, which keeps the cost under 1%.

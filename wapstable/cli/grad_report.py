@@ -3,7 +3,7 @@
     wapstable-grad-report RUN_DIR [RUN_DIR ...] [--out DIR] [--percentiles 50 75 90 95 99]
     python scripts/grad_report.py RUN_DIR ...          # the same, in a checkout
 
-Seed 003's advice: decide from the logged statistics whether gradients explode, and take the clip threshold from
+The usual advice: decide from the logged statistics whether gradients explode, and take the clip threshold from
 them. The threshold suggested for percentile p is the p-th percentile of the recorded global norms, so clipping at
 it would have touched about (100-p)% of the recorded steps. Several runs (say one per clip mode) share one figure.
 The files go to the run directory for one run, to the runs' common parent folder for several, or to --out.

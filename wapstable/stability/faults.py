@@ -44,7 +44,7 @@ class Fault:
         return self.scale if self.name == "lr_spike" and self.active(step) else 1.0
 
     def energy_scale(self, step: int) -> float:
-        """attention_overflow: attention energies times fault.scale, so the naive exp overflows (seed 000)."""
+        """attention_overflow: attention energies times fault.scale, so the naive exp/mask/divide softmax overflows."""
         return self.scale if self.name == "attention_overflow" and self.active(step) else 1.0
 
     def set_model(self, model: torch.nn.Module, step: int) -> None:

@@ -2,8 +2,8 @@
 
 fairseq re-runs a bad batch with hooks that log the first module holding NaN/Inf; torch's `detect_anomaly` names
 the backward op but checks NaN only (not Inf). One replay of the saved batch here records, in execution order:
-- forward: the first module whose output is non-finite (forward hooks), the range of its inputs (seed 000's
-  "z0 was 92"), and the first aten op that turned finite inputs into NaN/Inf (a TorchDispatchMode sees every op,
+- forward: the first module whose output is non-finite (forward hooks), the range of its inputs (the
+  "z0 was 92" of an attention overflow), and the first aten op that turned finite inputs into NaN/Inf (a TorchDispatchMode sees every op,
   functional ones included, so `exp` is named even when it runs inside a module's forward);
 - backward: the first module whose gradient turned non-finite (full backward hooks), and the first autograd node
   that produced NaN or Inf from finite incoming gradients (a hook on every node of the graph).
