@@ -170,3 +170,22 @@ def test_plain_loop_example_runs():
     assert "LinearNet: step 3 skipped (non-finite loss" in proc.stdout
     assert "bit-identical" in proc.stdout and "CHANGED" not in proc.stdout
     assert proc.stdout.strip().endswith("OK: each NaN batch was skipped bit-exactly")
+
+
+def test_state_dict_carries_the_budget_and_counts_to_a_new_guard():
+    """A plain loop that checkpoints its guard resumes with the same skip budget, counters and step index."""
+    model = two_layer()
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    guard = StepGuard(model, opt, clip="autoclip", max_consecutive_skips=2)
+    for x, y in batches(nan_at=3)[:4]:
+        guard.step(nn.functional.mse_loss(model(x), y))
+    state = guard.state_dict()
+    resumed = StepGuard(model, opt, clip="autoclip", max_consecutive_skips=2)
+    resumed.load_state_dict(state)
+    assert resumed.steps == 4 and resumed.accepted == 3 and resumed.budget.consecutive == 1
+    assert_identical(resumed.history.state_dict(), guard.history.state_dict())
+    x, y = batches(1)[0]
+    x[0, 0] = float("nan")
+    resumed.step(nn.functional.mse_loss(model(x), y))  # the second skip in a row: within the budget of 2
+    with pytest.raises(TrainingStopped, match="3 consecutive skipped steps"):
+        resumed.step(nn.functional.mse_loss(model(x), y))

@@ -37,7 +37,7 @@ from .stability.clipping import (
     validate_clip_config,
 )
 from .stability.faults import Fault
-from .stability.guard import SpikeDetector, count_nonfinite_grads
+from .stability.guard import SpikeDetector, grad_figures
 from .stability.rollback import Rollback
 from .stability.step_guard import Outcome, StepGuard, StepResult
 from .threads import resolve_threads
@@ -464,12 +464,7 @@ class Trainer:
 
     def write_anomaly(self, result: StepResult, batch, rng_before: dict) -> Path | None:
         """anomalies/step-N.pt: the state before the step, its RNG, the offending batch and per-layer figures."""
-        per_layer_norm = {
-            name: float(p.grad.detach().float().norm())
-            for name, p in self.model.named_parameters()
-            if p.grad is not None
-        }
-        _, per_layer_bad = count_nonfinite_grads(self.model.named_parameters())
+        per_layer_norm, per_layer_bad = grad_figures(self.model)
         record = {
             "step": self.step,
             "reason": result.reason,
@@ -486,9 +481,8 @@ class Trainer:
                 theirs = self.dist.from_rank(src, mine if self.dist.rank == src else None)
                 batch, record["loss"], record["reason"] = theirs
             record["batch_rank"] = src  # replay applies that rank's share of the fault
-        self.anomalies.append(
-            record
-        )  # the guard counts it on every rank: the next skip's collectives depend on it
+        # On every rank, as the guard's count of anomaly checkpoints: the next skip's collectives depend on it.
+        self.anomalies.append(record)
         if not self.dist.is_main:
             return None
         state = self.state()

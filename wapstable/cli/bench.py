@@ -208,44 +208,27 @@ class StepBench:
                     t.train_step(batch)
                     t.step += 1
 
-    def block(self, t: Trainer) -> Callable[[], float]:
+    def block(self, t: Trainer, steps: Callable[[Trainer], None] | None = None) -> Callable[[], float]:
+        """A timed block of `steps` (default: `t`'s own training steps), from the same starting state each time."""
+        steps = steps or self.run_steps
+
         def run() -> float:
             self.reset(t)
-            return self.dev.timed(lambda: self.run_steps(t))
+            return self.dev.timed(lambda: steps(t))
 
         return run
 
-    def bare_steps(self, t: Trainer) -> None:
-        """`t`'s model and optimizer in a loop with nothing else: no norm, no flag, no sync, no copies."""
-        for batch in self.batches:
-            t.optimizer.zero_grad(set_to_none=True)
-            forward_loss(t.model, batch, None, 0, t.cfg.trainer.precision).backward()
-            t.optimizer.step()
-            t.scheduler.step()
-
-    def bare_block(self, t: Trainer) -> Callable[[], float]:
-        def run() -> float:
-            self.reset(t)
-            return self.dev.timed(lambda: self.bare_steps(t))
-
-        return run
-
-    def plain_clip_steps(self, t: Trainer) -> None:
-        """`t`'s model and optimizer in a plain loop with `t`'s clipping: what a user writes without the guard."""
+    def plain_steps(self, t: Trainer, clip: bool = False) -> None:
+        """`t`'s model and optimizer in a plain loop: what a user writes without the guard. `clip=False` is the bare
+        loop (no norm, no flag, no sync, no copies); `clip=True` adds `t`'s clipping, as the guard would clip."""
         options = clip_options(t.cfg.clip, t.history, skip=t.clip_skip)
         for batch in self.batches:
             t.optimizer.zero_grad(set_to_none=True)
             forward_loss(t.model, batch, None, 0, t.cfg.trainer.precision).backward()
-            clip_gradients_(t.model.parameters(), t.cfg.clip.mode, **options)
+            if clip:
+                clip_gradients_(t.model.parameters(), t.cfg.clip.mode, **options)
             t.optimizer.step()
             t.scheduler.step()
-
-    def plain_clip_block(self, t: Trainer) -> Callable[[], float]:
-        def run() -> float:
-            self.reset(t)
-            return self.dev.timed(lambda: self.plain_clip_steps(t))
-
-        return run
 
     def syncs_per_step(self, t: Trainer, bare: bool = False) -> float:
         """Host syncs per training step of `t` (CUDA only: on the CPU there is no device to wait for)."""
@@ -253,7 +236,7 @@ class StepBench:
         self.dev.sync()
         counter: list[int] = []
         with count_syncs(counter):  # no explicit synchronize inside: only the steps' own syncs count
-            (self.bare_steps if bare else self.run_steps)(t)
+            (self.plain_steps if bare else self.run_steps)(t)
         self.dev.sync()
         return counter[0] / len(self.batches)
 
@@ -271,7 +254,7 @@ def bench_steps(sb: StepBench, repeats: int) -> dict:
     clip_trainer = {m: sb.trainers["guard" if m == clip_default else f"clip={m}"] for m in CLIP_MODES}
 
     blocks = {name: sb.block(t) for name, t in sb.trainers.items()}
-    blocks["bare"] = sb.bare_block(sb.trainers["off"])
+    blocks["bare"] = sb.block(sb.trainers["off"], sb.plain_steps)
     log.info("training steps: %d variants x %d repeats of %d steps", len(blocks), repeats, len(sb.batches))
     times = {k: [t / len(sb.batches) for t in v] for k, v in interleave(blocks, repeats).items()}
 
@@ -316,7 +299,7 @@ def bench_steps(sb: StepBench, repeats: int) -> dict:
 def bench_guard_vs_plain(sb: StepBench, repeats: int) -> dict:
     """The trainer's guarded step (statistics off) against a plain loop with the same clipping, side by side."""
     t = sb.trainer("guard", STEP_MODES["guard"])
-    blocks = {"plain + clip": sb.plain_clip_block(t), "guarded": sb.block(t)}
+    blocks = {"plain + clip": sb.block(t, partial(sb.plain_steps, clip=True)), "guarded": sb.block(t)}
     times = interleave(blocks, repeats)
     out = ratios(times, "plain + clip")
     out["params_m"] = sum(p.numel() for p in t.model.parameters()) / 1e6

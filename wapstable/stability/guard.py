@@ -29,6 +29,15 @@ def count_nonfinite_grads(named_parameters) -> tuple[int, dict[str, int]]:
     return len(per_layer), per_layer
 
 
+def grad_figures(model) -> tuple[dict[str, float], dict[str, int]]:
+    """Per parameter: the gradient's 2-norm, and the count of its non-finite values (only those with any), for
+    an anomaly checkpoint."""
+    norms = {
+        n: float(p.grad.detach().float().norm()) for n, p in model.named_parameters() if p.grad is not None
+    }
+    return norms, count_nonfinite_grads(model.named_parameters())[1]
+
+
 class SpikeDetector:
     """Z-score of the loss and the grad norm against the last `window` accepted steps (OLMo-core's rule)."""
 

@@ -32,7 +32,7 @@ import torch
 from ..checkpoint import rng_state, save_checkpoint
 from ..errors import TrainingStopped
 from .clipping import AutoClipHistory, mode_norm_type, plan_clip
-from .guard import SkipBudget, SpikeDetector, count_nonfinite_grads, nonfinite_flag
+from .guard import SkipBudget, SpikeDetector, count_nonfinite_grads, grad_figures, nonfinite_flag
 
 
 class Outcome(StrEnum):
@@ -227,7 +227,7 @@ class StepGuard:
         self.steps += 1
         if outcome is Outcome.ACCEPTED and self.buffers:
             torch._foreach_copy_(self.saved_buffers, self.buffers)
-        if self.write_anomaly is not None:
+        if self.write_anomaly is not None and rng_before is None:  # a caller that passes its own needs none
             self.rng_before = rng_state()
         if result.budget_exhausted and self.raise_on_exhausted:
             where = f"; anomaly checkpoints are in {self.anomaly_dir}" if self.anomaly_dir else ""
@@ -257,12 +257,7 @@ class StepGuard:
     def _write_anomaly(self, result: StepResult, batch, rng_before) -> Path:
         """`anomaly_dir/step-N.pt`: model and optimizer before the step, the RNG before its forward, the batch,
         and per-layer gradient norms and non-finite counts."""
-        _, per_layer_bad = count_nonfinite_grads(self.model.named_parameters())
-        grad_norms = {
-            name: float(p.grad.detach().float().norm())
-            for name, p in self.model.named_parameters()
-            if p.grad is not None
-        }
+        grad_norms, per_layer_bad = grad_figures(self.model)
         state = {
             "step": result.step,
             "model": self.model.state_dict(),
