@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from wapstable.attention import CoverageAttention, masked_softmax
+from wapstable.model.attention import CoverageAttention, masked_softmax
 
 
 def ragged(B: int, L: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

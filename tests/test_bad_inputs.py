@@ -22,9 +22,9 @@ from conftest import ROOT, TINY, run_train
 
 from wapstable import checkpoint
 from wapstable.checkpoint import FORMAT, VERSION, load_checkpoint, save_checkpoint
+from wapstable.data.sample import Sample
+from wapstable.data.wap_pkl import write_wap_split
 from wapstable.errors import UserError
-from wapstable.sample import Sample
-from wapstable.wap_pkl import write_wap_split
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def train_into(run, cache_dir, *args):
         (["clip.max_norm=-1"], 2, ["error: clip.max_norm=-1.0 must be positive for clip=norm"]),
         (["clip=value", "clip.value=0"], 2, ["error: clip.value=0.0 must be positive for clip=value"]),
         (["trainer.max_steps=0"], 2, ["error: trainer.max_steps=0 must be a positive number of steps"]),
-        (["data.bucket_by=width"], 2, ["error: data.bucket_by='width' is unknown; use size"]),
+        (["data.bucket_by=width"], 1, ["Invalid value 'width', expected one of [size, tokens]"]),
         (
             ["guard.snapshot_every=-1"],
             2,

@@ -3,10 +3,10 @@ import logging
 import numpy as np
 import pytest
 
-from wapstable.crohme import load_crohme_split, parse_trace, rasterize_traces, read_inkml
-from wapstable.latex import DataError, check_vocab, normalize_crohme, tokenize_latex
-from wapstable.sample import Sample
-from wapstable.vocab import Vocab
+from wapstable.data.crohme import load_crohme_split, parse_trace, rasterize_traces, read_inkml
+from wapstable.data.latex import DataError, check_vocab, normalize_crohme, tokenize_latex
+from wapstable.data.sample import Sample
+from wapstable.data.vocab import Vocab
 
 # ---------------------------------------------------------------------------------------------------------------
 # tokenising and normalising

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from wapstable.data import BatchStream, collate, make_batches
-from wapstable.sample import Sample
-from wapstable.vocab import Vocab
+from wapstable.data.batches import BatchStream, collate, make_batches
+from wapstable.data.sample import Sample
+from wapstable.data.vocab import Vocab
 
 
 def samples(n=40, seed=0):

@@ -15,11 +15,11 @@ import torch
 from conftest import ROOT, TINY
 
 from wapstable.checkpoint import load_checkpoint
-from wapstable.data import BatchStream
-from wapstable.distributed import Dist, setup, torchrun_argv
+from wapstable.data.batches import BatchStream
+from wapstable.data.sample import Sample
+from wapstable.data.vocab import Vocab
 from wapstable.errors import TrainingStopped, UserError
-from wapstable.sample import Sample
-from wapstable.vocab import Vocab
+from wapstable.train.distributed import Dist, setup, torchrun_argv
 
 CHECKSUM = re.compile(r"step (\d+): weights identical on 2 ranks \(checksum (\w+)\)")
 
@@ -43,7 +43,7 @@ def torchrun(args, run_dir, cache_dir, timeout=300):
         f"hydra.run.dir={run_dir}",
         "trainer.ddp=true",
         "trainer.device=cpu",
-        "hydra.verbose=wapstable.distributed",  # each rank logs its own weight checksum at every check
+        "hydra.verbose=wapstable.train.distributed",  # each rank logs its own weight checksum at every check
         *args,
     ]
     env = {**os.environ, "WAPSTABLE_CACHE": str(cache_dir), "HYDRA_FULL_ERROR": "1"}

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from wapstable.config import AttentionConfig, ModelConfig
-from wapstable.decoding import beam_search, greedy_decode
-from wapstable.model import build_model
+from wapstable.model.decoding import beam_search, greedy_decode
+from wapstable.model.wap import build_model
 
 V = 8
 LABELS = [[3, 1, 4], [2, 5], [5, 5, 2, 1], [7]]

@@ -11,11 +11,12 @@ from conftest import ROOT, run_train
 from PIL import Image
 from test_crohme import write as write_inkml
 
-from wapstable.evaluation import prepare_image, upsample_attention
-from wapstable.sample import Sample
-from wapstable.synthetic import render
-from wapstable.vocab import Vocab
-from wapstable.wap_pkl import write_wap_split
+from wapstable.data.sample import Sample
+from wapstable.data.synthetic import render
+from wapstable.data.vocab import Vocab
+from wapstable.data.wap_pkl import write_wap_split
+from wapstable.eval.attention_maps import upsample_attention
+from wapstable.eval.evaluation import prepare_image
 
 EXPR = ["x", "^", "{", "2", "}", "+", "\\frac", "{", "1", "}", "{", "y", "}"]
 

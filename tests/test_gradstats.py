@@ -12,10 +12,10 @@ from omegaconf import OmegaConf
 from wapstable.cli import grad_report
 from wapstable.config import ClipConfig, StatsConfig
 from wapstable.errors import UserError
-from wapstable.gradstats import CSV_NAME, GLOBAL, GradStats, validate_stats_config
 from wapstable.stability import AutoClipHistory
-from wapstable.stability.clipping import clip_threshold
-from wapstable.stability.step_guard import Outcome, StepResult
+from wapstable.stability.clipping import clip_options
+from wapstable.stability.gradstats import CSV_NAME, GLOBAL, GradStats, validate_stats_config
+from wapstable.stability.step_guard import Outcome, StepGuard, StepResult
 
 
 def read_csv(path):
@@ -24,7 +24,7 @@ def read_csv(path):
 
 
 def stats_for(tmp_path, **kw):
-    return GradStats(OmegaConf.structured(StatsConfig(**kw)), tmp_path, threshold=lambda: 7.0)
+    return GradStats(OmegaConf.structured(StatsConfig(**kw)), tmp_path)
 
 
 def small_model():
@@ -45,7 +45,7 @@ def step_with_stats(stats, model, step, lr=0.1, skipped=False, anomalous=False):
             for p in model.parameters():
                 p -= lr * p.grad
     outcome = Outcome.NONFINITE if skipped else Outcome.ACCEPTED
-    stats.finish(step, StepResult(step, loss=1.5, grad_norm=total, outcome=outcome))
+    stats.finish(step, StepResult(step, loss=1.5, grad_norm=total, outcome=outcome), threshold=lambda: 7.0)
     return grads, before
 
 
@@ -102,13 +102,25 @@ def test_negative_interval_is_a_user_error():
 
 
 def test_threshold_in_force():
+    """The guard's threshold in force, as grad_stats.csv records it: the configured one, after a rollback's
+    back-off, and autoclip's percentile of the history."""
     history = AutoClipHistory(10)
     for x in (1.0, 2.0, 3.0, 4.0, 5.0):
         history.append(torch.tensor(x))
-    clip = lambda **kw: OmegaConf.structured(ClipConfig(**kw))  # noqa: E731
-    assert clip_threshold(clip(mode="norm", max_norm=8.0), history, scale=0.5) == 4.0  # after a rollback
-    assert clip_threshold(clip(mode="autoclip", percentile=50.0), history) == 3.0
-    assert clip_threshold(clip(mode="value"), history) is None
+    model = torch.nn.Linear(2, 2)
+
+    def threshold(scale=1.0, **kw):
+        cfg = OmegaConf.structured(ClipConfig(**kw))
+        opts = clip_options(cfg, history, scale=scale)
+        guard = StepGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), clip=cfg.mode, **opts)
+        return guard.clip_threshold()
+
+    assert threshold(mode="norm", max_norm=8.0) == 8.0
+    assert threshold(scale=0.5, mode="norm", max_norm=8.0) == 4.0  # after a rollback
+    assert threshold(mode="inf", max_norm=3.0) == 3.0
+    assert threshold(mode="autoclip", percentile=50.0) == 3.0
+    for mode in ("value", "agc", "none"):
+        assert threshold(mode=mode) is None
 
 
 def test_suggested_threshold_clips_the_complementary_share():

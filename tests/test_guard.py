@@ -8,7 +8,7 @@ import torch
 from conftest import TINY, assert_identical, compose_config, run_train
 
 from wapstable.stability.guard import SkipBudget, SpikeDetector
-from wapstable.trainer import Trainer
+from wapstable.train.loop import Trainer
 
 
 def make_trainer(tmp_path, cache_dir, *overrides):

@@ -1,6 +1,6 @@
 import pytest
 
-from wapstable.metrics import ExpressionMetrics, edit_distance, format_table, length_bucket
+from wapstable.eval.metrics import ExpressionMetrics, edit_distance, format_table, length_bucket
 
 
 def test_edit_distance_known_values():

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from wapstable.attention import CoverageAttention, grid_positions
 from wapstable.config import AttentionConfig, ModelConfig
-from wapstable.model import build_model
+from wapstable.model.attention import CoverageAttention, grid_positions
+from wapstable.model.wap import build_model
 
 V = 11
 
@@ -223,8 +223,8 @@ def test_position_features_reach_the_attention():
 
 
 def test_counting_head_counts_symbols_and_trains_the_watcher():
-    from wapstable.data import Batch
-    from wapstable.trainer import counting_loss, forward_loss
+    from wapstable.data.batches import Batch
+    from wapstable.model.loss import counting_loss, forward_loss
 
     torch.manual_seed(0)
     y = torch.tensor([[3, 3, 5, 0, 0], [4, 0, 0, 0, 0]])

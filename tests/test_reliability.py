@@ -18,7 +18,7 @@ import torch
 from conftest import ROOT, TINY, run_multirun, run_train
 
 from wapstable.checkpoint import load_checkpoint, save_checkpoint
-from wapstable.trainer import resolve_resume
+from wapstable.train.build import resolve_resume
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs POSIX signals")
 
@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 import torch.utils.data
 
-import wapstable.data
+import wapstable.data.batches
 import wapstable.stability.step_guard as step_guard
-import wapstable.trainer as trainer
+import wapstable.train.loop as trainer
 
 env = os.environ
 
@@ -77,14 +77,14 @@ if "PAUSE_IN_SAVE" in env:
     torch.save = save_hook
 
 if "CRASH_WORKER" in env:
-    getitem = wapstable.data._BatchDataset.__getitem__
+    getitem = wapstable.data.batches._BatchDataset.__getitem__
 
     def getitem_hook(self, i):
         if torch.utils.data.get_worker_info() is not None:
             os.kill(os.getpid(), signal.SIGKILL)
         return getitem(self, i)
 
-    wapstable.data._BatchDataset.__getitem__ = getitem_hook
+    wapstable.data.batches._BatchDataset.__getitem__ = getitem_hook
 
 sys.argv[0] = str(Path.cwd() / "train.py")
 runpy.run_path(sys.argv[0], run_name="__main__")

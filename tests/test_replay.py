@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from wapstable.checkpoint import load_checkpoint
 from wapstable.cli import replay_anomaly
 from wapstable.errors import UserError
-from wapstable.model import build_model
+from wapstable.model.wap import build_model
 from wapstable.stability.replay import replay, summarize, trace_nonfinite
 
 SHORT = ["trainer.max_steps=4", "trainer.eval_every=4", "trainer.checkpoint_every=4", "fault.step=1"]

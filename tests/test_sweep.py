@@ -237,7 +237,7 @@ def test_a_trial_reports_each_evaluation_and_the_median_pruner_stops_a_poor_one(
     # The hook the trainer calls at each evaluation, fed as the sweeper feeds it: through the environment and the
     # study's storage. Two finished trials had ExpRate 40 and 60 at step 100 (median 50).
     optuna = needs_optuna()
-    from wapstable.sweep import TRIAL_ENV, pruning_callback, reported_key, reported_value
+    from wapstable.train.sweep import TRIAL_ENV, pruning_callback, reported_key, reported_value
 
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"
     study = optuna.create_study(study_name="s", storage=storage, direction="maximize")

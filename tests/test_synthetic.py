@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from wapstable import synthetic
-from wapstable.sample import Sample
+from wapstable.data import synthetic
+from wapstable.data.sample import Sample
 
 STRUCTURED = ("\\frac", "\\sqrt", "_", "^")  # each must be followed by a { ... } group
 
@@ -191,7 +191,7 @@ def test_fonts_differ_and_unknown_font_fails():
 
 
 def test_build_splits_is_deterministic_and_independent_of_workers(tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="wapstable.synthetic"):
+    with caplog.at_level(logging.INFO, logger="wapstable.data.synthetic"):
         a = synthetic.build_splits(make_cfg(tmp_path, "a", render_workers=1))
     assert any(
         "rendered 40 images in" in r.getMessage() and "images/s" in r.getMessage() for r in caplog.records
@@ -239,7 +239,7 @@ def test_second_build_loads_the_cache(tmp_path, monkeypatch, caplog):
 
     monkeypatch.setattr(synthetic, "render", no_render)
     # neither the worker count nor the cache location is part of what the data is
-    with caplog.at_level(logging.INFO, logger="wapstable.synthetic"):
+    with caplog.at_level(logging.INFO, logger="wapstable.data.synthetic"):
         again = synthetic.build_splits(make_cfg(tmp_path, render_workers=3))
     same_splits(first, again)
     assert any("loaded synthetic splits" in r.getMessage() for r in caplog.records)
@@ -274,7 +274,7 @@ def test_corrupt_cache_is_rendered_again(tmp_path, caplog, damage):
         arrays["test_shapes"] = arrays["test_shapes"][:-1]
         with open(path, "wb") as f:
             np.savez(f, **arrays)
-    with caplog.at_level(logging.WARNING, logger="wapstable.synthetic"):
+    with caplog.at_level(logging.WARNING, logger="wapstable.data.synthetic"):
         again = synthetic.build_splits(cfg)
     assert any("rendering it again" in r.getMessage() for r in caplog.records)
     same_splits(first, again)

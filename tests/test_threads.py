@@ -6,7 +6,7 @@ import pytest
 from conftest import run_train
 
 from wapstable.errors import UserError
-from wapstable.threads import parallel_jobs, resolve_threads
+from wapstable.train.threads import parallel_jobs, resolve_threads
 
 
 @pytest.fixture

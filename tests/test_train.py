@@ -97,7 +97,7 @@ def test_time_budget_ends_the_run_and_its_schedule(tmp_path, cache_dir):
 
 def test_cosine_follows_whichever_budget_runs_out_first():
     from wapstable.config import OptimConfig
-    from wapstable.optim import lr_factor
+    from wapstable.train.optim import lr_factor
 
     cfg = OptimConfig(schedule="cosine", warmup_steps=10)
     assert lr_factor(cfg, 4, 1000) == 0.5  # warm-up counts steps whatever the clock says

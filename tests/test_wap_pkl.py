@@ -5,10 +5,10 @@ import pickle
 import numpy as np
 import pytest
 
-from wapstable.latex import DataError, check_vocab
-from wapstable.sample import Sample
-from wapstable.vocab import Vocab
-from wapstable.wap_pkl import load_wap_split, write_wap_split
+from wapstable.data.latex import DataError, check_vocab
+from wapstable.data.sample import Sample
+from wapstable.data.vocab import Vocab
+from wapstable.data.wap_pkl import load_wap_split, write_wap_split
 
 
 def image(h, w, seed):

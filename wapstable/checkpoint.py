@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import UserError
+from wapstable.errors import UserError
 
 FORMAT = "wapstable-checkpoint"
 VERSION = 1

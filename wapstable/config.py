@@ -1,18 +1,34 @@
 """The typed config schema: dataclasses registered in Hydra's ConfigStore.
 
 Every YAML file under `conf/` is merged onto these classes, so a typo in a key or a value of the wrong type fails
-before anything runs, with OmegaConf's message naming the key. Only this module and the entry points import Hydra.
+before anything runs, with OmegaConf's message naming the key. Only this module, the entry points and the build
+step (`hydra.utils.instantiate` of `optim._target_`) import Hydra.
 The YAML files ship inside the package (`wapstable/conf`, which in a checkout is a link to the top-level `conf/`),
 so an installed `wapstable-train` composes the same configs as `python train.py` in a checkout.
 """
 
 import re
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 CONF_DIR = Path(__file__).parent / "conf"  # config.yaml and one folder per config group
+
+
+# Keys with a fixed set of values. OmegaConf checks them when a config is composed, loaded from a checkpoint or
+# overridden (`Invalid value 'x', expected one of [...]`, naming the key), so no module checks them again. A value
+# reads as the plain string: `cfg.clip.mode == "norm"`, and checkpoints store strings (`enum_to_str=True`).
+Watcher = StrEnum("Watcher", "vgg dense")
+DataSource = StrEnum("DataSource", "synthetic crohme wap_pkl")
+OnError = StrEnum("OnError", "fail skip")
+BucketBy = StrEnum("BucketBy", "size tokens")
+Schedule = StrEnum("Schedule", "constant cosine step")
+ClipMode = StrEnum("ClipMode", "none norm value inf agc autoclip")
+OnBudgetExhausted = StrEnum("OnBudgetExhausted", "stop rollback")
+FaultName = StrEnum("FaultName", "none nan_input inf_loss lr_spike attention_overflow preempt")
+WandbMode = StrEnum("WandbMode", "offline online disabled")
 
 
 @dataclass
@@ -29,7 +45,7 @@ class AttentionConfig:
 @dataclass
 class ModelConfig:
     name: str = "small"
-    watcher: str = "vgg"  # vgg | dense
+    watcher: Watcher = Watcher.vgg
     # VGG-FCN watcher: len(channels) blocks of `convs_per_block` conv3x3 + BN + ReLU, then 2x2 max-pool.
     channels: list[int] = field(default_factory=lambda: [16, 32, 48, 64])
     convs_per_block: int = 2
@@ -52,7 +68,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "synthetic"  # synthetic | crohme | wap_pkl
+    name: DataSource = DataSource.synthetic
     cache_dir: str = "${oc.env:WAPSTABLE_CACHE,${oc.env:HOME,.}/.cache/wapstable}"
     # synthetic
     num_train: int = 3000
@@ -72,9 +88,9 @@ class DataConfig:
     dictionary: str | None = None
     height: int = 64  # rasterised InkML height in pixels
     line_width: int = 2
-    on_error: str = "fail"  # fail | skip
+    on_error: OnError = OnError.fail
     # batching as in WAP: sort, fill under a pixel budget; sort by image size (WAP) or by label length (tokens)
-    bucket_by: str = "size"
+    bucket_by: BucketBy = BucketBy.size
     curriculum_epochs: int = 0  # the first N epochs go from the shortest labels to the longest; 0 = shuffled
     pixel_budget: int = 120000
     max_batch: int = 16
@@ -85,14 +101,16 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adadelta"  # adadelta | adam | sgd
+    # The optimizer class, built by hydra.utils.instantiate with the keys below that its constructor takes.
+    _target_: str = "torch.optim.Adadelta"
+    name: str = "adadelta"  # the option's name, in logs and in the resume check
     lr: float = 1.0
     rho: float = 0.95
     eps: float = 1e-6
     weight_decay: float = 1e-4
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     momentum: float = 0.0
-    schedule: str = "constant"  # constant | cosine | step
+    schedule: Schedule = Schedule.constant
     warmup_steps: int = 0
     step_size: int = 1000
     gamma: float = 0.5
@@ -101,7 +119,7 @@ class OptimConfig:
 
 @dataclass
 class ClipConfig:
-    mode: str = "norm"  # none | norm | value | inf | agc | autoclip
+    mode: ClipMode = ClipMode.norm
     max_norm: float = 100.0
     norm_type: float = 2.0
     value: float = 1.0
@@ -124,7 +142,7 @@ class GuardConfig:
     checkpoint_on_anomaly: bool = True
     max_anomaly_checkpoints: int = 3
     localize: bool = True
-    on_budget_exhausted: str = "stop"  # stop | rollback
+    on_budget_exhausted: OnBudgetExhausted = OnBudgetExhausted.stop
     snapshot_every: int = 50  # also at every regular checkpoint; 0 = only there
     lr_backoff: float = 0.5
     clip_backoff: float = 0.5
@@ -133,7 +151,7 @@ class GuardConfig:
 
 @dataclass
 class FaultConfig:
-    name: str = "none"  # none | nan_input | inf_loss | lr_spike | attention_overflow | preempt
+    name: FaultName = FaultName.none
     step: int = 5
     steps: int = 1  # how many consecutive steps the fault fires
     rank: int = 0
@@ -168,7 +186,7 @@ class TrainerConfig:
     checkpoint_every: int = 500
     log_every: int = 10
     device: str = "auto"  # auto | cpu | cuda
-    precision: str = "32"  # 32 | bf16 | fp16
+    precision: str = "32"  # 32 | bf16 | fp16 (checked in train.build: "32" cannot name an Enum member)
     ddp: bool = False
     consistency_every: int = 100
     progress: bool = True
@@ -197,7 +215,7 @@ class MlflowLoggerConfig:
 @dataclass
 class WandbLoggerConfig:
     project: str = "wapstable"
-    mode: str = "offline"  # offline | online | disabled
+    mode: WandbMode = WandbMode.offline
     entity: str | None = None
     name: str | None = None  # None = the run directory's name
 
@@ -236,12 +254,13 @@ TINY_OVERRIDES = ["debug=tiny"]
 
 
 def quote_group_options(args: list[str]) -> list[str]:
-    """Quote `inf` where it names a `clip` option: Hydra's override grammar reads a bare `inf` as a float, and
-    `clip=inf` would fail with "Config group override must be a string"."""
+    """Quote `inf` where it names a clip mode (`clip=inf`, `clip.mode=inf`): Hydra's override grammar reads a bare
+    `inf` as a float, so `clip=inf` would fail with "Config group override must be a string", and `clip.mode=inf`
+    would not be a ClipMode."""
     out = []
     for arg in args:
         key, sep, value = arg.partition("=")
-        if sep and key.lstrip("+~") == "clip":
+        if sep and key.lstrip("+~") in ("clip", "clip.mode"):
             value = re.sub(r"(?<![\w'\"])inf(?![\w'\"])", "'inf'", value)
         out.append(key + sep + value)
     return out
@@ -255,12 +274,19 @@ def register_configs() -> None:
     cs.store(name="config_schema", node=Config)
 
 
+# optim.name -> optim._target_ for the checkpoints written before the optimizer was a `_target_`.
+LEGACY_OPTIMIZERS = {"adadelta": "torch.optim.Adadelta", "adam": "torch.optim.Adam", "sgd": "torch.optim.SGD"}
+
+
 def checkpoint_config(saved: dict, keys: list[str], source: DictConfig) -> DictConfig:
     """A checkpoint's config in this version's schema (its run_dir and resume dropped), with each of `keys` taken
     from `source` (the command line's composed config): whole groups first, then single keys on top. Used by a
     resumed run and by scripts/evaluate.py; raises OmegaConf's error when the saved config does not fit."""
     saved = {k: v for k, v in saved.items() if k not in ("run_dir", "resume")}
     saved.setdefault("logger", {"tensorboard": {}})  # checkpoints from before the logger group: TensorBoard
+    optim = saved.get("optim")
+    if isinstance(optim, dict) and "_target_" not in optim:  # checkpoints from before optim._target_
+        saved["optim"] = {**optim, "_target_": LEGACY_OPTIMIZERS.get(optim.get("name"), OptimConfig._target_)}
     merged = OmegaConf.merge(OmegaConf.structured(Config), saved)
     for key in sorted(keys, key=lambda k: "." in k):
         OmegaConf.update(merged, key, OmegaConf.select(source, key), merge=False)

@@ -13,7 +13,7 @@ class TrainingStopped(RuntimeError):
 
 
 class TrialPruned(RuntimeError):
-    """A sweep's pruner stopped this trial at an evaluation (`wapstable.sweep`); the sweeper records it as pruned."""
+    """A sweep's pruner stopped this trial at an evaluation (`wapstable.train.sweep`); the sweeper records it as pruned."""
 
 
 def run_script(main: Callable[[], int]) -> None:

@@ -4,7 +4,7 @@ A batch of `n_jobs` trials at a time: ask the study for each trial's parameters,
 launch the batch with the configured launcher (basic, joblib, submitit), tell the study how each ended:
 - COMPLETE with the value the task returned (`train()`'s `optimize_metric`);
 - PRUNED when the task raised TrialPruned: the trainer reported its valid ExpRate at each evaluation and the
-  pruner stopped it (see `wapstable/sweep.py`);
+  pruner stopped it (see `wapstable/train/sweep.py`);
 - FAIL when it raised anything else (a config the trial's parameters make invalid, a run the guard stopped) or
   returned no number. A failed trial never ends the search.
 
@@ -36,7 +36,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, Floa
 from optuna.trial import TrialState
 
 from wapstable.errors import TrialPruned
-from wapstable.sweep import TRIAL_ENV
+from wapstable.train.sweep import TRIAL_ENV
 
 log = logging.getLogger(__name__)
 PARSER = OverridesParser.create()

@@ -40,13 +40,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from wapstable.attention import CoverageAttention, masked_softmax
 from wapstable.checkpoint import rng_state
 from wapstable.config import CONF_DIR, TINY_OVERRIDES, quote_group_options, register_configs
+from wapstable.data.synthetic import generate_expressions, render
 from wapstable.errors import run_script
+from wapstable.model.attention import CoverageAttention, masked_softmax
+from wapstable.model.loss import forward_loss
 from wapstable.stability.clipping import AutoClipHistory, clip_gradients_, clip_options
-from wapstable.synthetic import generate_expressions, render
-from wapstable.trainer import Trainer, forward_loss
+from wapstable.train.loop import Trainer
 
 log = logging.getLogger("wapstable.bench")
 

@@ -25,10 +25,10 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from wapstable.config import CONF_DIR, checkpoint_config, register_configs
-from wapstable.data import SPLITS, check_labels, load_splits
+from wapstable.data.batches import SPLITS, check_labels, load_splits
 from wapstable.errors import UserError, run_script
-from wapstable.evaluation import evaluate_samples, load_model
-from wapstable.metrics import format_table
+from wapstable.eval.evaluation import evaluate_samples, load_model
+from wapstable.eval.metrics import format_table
 
 log = logging.getLogger("wapstable")
 # Only these parts of the config mean anything here: the model is the checkpoint's.
@@ -87,12 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     if split not in SPLITS:
         raise UserError(f"split={split} is unknown; use one of {', '.join(SPLITS)}")
 
-    from wapstable.threads import resolve_threads
-    from wapstable.trainer import resolve_device
+    from wapstable.device import resolve_device
+    from wapstable.train.threads import resolve_threads
 
     ckpt = Path(args.checkpoint)
     model, vocab, saved = load_model(ckpt, "cpu")
-    cfg = compose(OmegaConf.to_container(saved), overrides)
+    cfg = compose(OmegaConf.to_container(saved, enum_to_str=True), overrides)
     given = any(o.startswith("decode.beam_size=") for o in overrides)
     beam = cfg.decode.beam_size if given else cfg.decode.final_beam_size
     d = cfg.data

@@ -5,7 +5,7 @@
 
 Each picture comes from the project's own tools, so it shows what a user of them sees:
 
-    samples.png            rendered training samples and their LaTeX (wapstable.synthetic, as data=synthetic)
+    samples.png            rendered training samples and their LaTeX (wapstable.data.synthetic, as data=synthetic)
     grad-report-fault.png  scripts/grad_report.py on a tiny run fed a NaN batch at step 5 (fault=nan_input)
     sweep-summary.png      scripts/summarize_sweep.py on a tiny grid sweep: clip modes, without and with an lr spike
     exprate-curve.png      valid ExpRate and token error rate over the steps of --run (its metrics.json)
@@ -71,7 +71,7 @@ def samples(out: Path, n: int = 12, seed: int = 0) -> Path:
     from omegaconf import OmegaConf
 
     from wapstable.config import CONF_DIR
-    from wapstable.synthetic import FONTS, generate_expressions, render
+    from wapstable.data.synthetic import FONTS, generate_expressions, render
 
     data = OmegaConf.load(CONF_DIR / "data" / "synthetic.yaml")
     exprs = generate_expressions(n, seed, int(data.difficulty))
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.run is not None and not (args.run / "metrics.json").is_file():
         raise UserError(f"--run {args.run} holds no metrics.json; give the directory of a finished run")
     if args.checkpoint is not None:
-        from wapstable.evaluation import load_model
+        from wapstable.eval.evaluation import load_model
 
         if not args.checkpoint.is_file():
             raise UserError(

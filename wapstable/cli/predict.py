@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from wapstable.errors import UserError, run_script
-from wapstable.evaluation import (
-    attention_figure,
+from wapstable.eval.attention_maps import save_attention_image
+from wapstable.eval.evaluation import (
     load_model,
     predict_image,
     prepare_image,
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     args = p.parse_args(argv)
 
-    from wapstable.trainer import resolve_device
+    from wapstable.device import resolve_device
 
     device = resolve_device(args.device)
     model, vocab, cfg = load_model(args.checkpoint, device)
@@ -76,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
                 out = attention_path(Path(args.attention), n, len(images))
                 out.parent.mkdir(parents=True, exist_ok=True)
                 title = f"{Path(name).name}: {latex or '(nothing)'}"
-                attention_figure(image, att[: len(tokens)], tokens, model.watcher.stride, title, out)
+                save_attention_image(
+                    out, image, att[: len(tokens)], model.watcher.stride, tokens, title=title
+                )
     return 0
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from wapstable.data.latex import tokenize_latex
+from wapstable.data.synthetic import FONTS, render, tokens_to_mathtext
 from wapstable.errors import UserError, run_script
-from wapstable.latex import tokenize_latex
-from wapstable.synthetic import FONTS, render, tokens_to_mathtext
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,8 +18,8 @@ import yaml
 from wapstable.checkpoint import load_checkpoint
 from wapstable.errors import UserError
 from wapstable.stability.replay import replay, summarize
-from wapstable.threads import resolve_threads
-from wapstable.trainer import strict
+from wapstable.train.events import strict
+from wapstable.train.threads import resolve_threads
 
 
 def parse_overrides(items: list[str]) -> dict:

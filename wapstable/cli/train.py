@@ -1,5 +1,5 @@
 """Training from the command line: `wapstable-train [overrides]` (or `python train.py [overrides]` in a checkout)
-composes the config and calls `wapstable.trainer.train`.
+composes the config and calls `wapstable.train.loop.train`.
 
 Exit status: 0 done; 1 config rejected by Hydra (or a crash); 2 a user error (config, data, checkpoint, full disk);
 3 stopped by the guard; 143 stopped by SIGTERM, 144 by the preemption signal SIGUSR2 (submitit's requeue status),
@@ -26,9 +26,9 @@ def hydra_main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from wapstable.sweep import pruning_callback
-    from wapstable.threads import parallel_jobs
-    from wapstable.trainer import train
+    from wapstable.train.loop import train
+    from wapstable.train.sweep import pruning_callback
+    from wapstable.train.threads import parallel_jobs
 
     # In a sweep a failed job raises: the launcher records it as failed and runs the others (sys.exit would end the
     # whole sweep); Hydra exits non-zero once every job has run.
@@ -65,7 +65,7 @@ def main() -> None:
     """The console entry point `wapstable-train`: Hydra reads the overrides from sys.argv."""
     sys.argv[1:] = quote_group_options(sys.argv[1:])
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun: one run directory, rank-0 files
-        from wapstable.distributed import torchrun_argv
+        from wapstable.train.distributed import torchrun_argv
 
         try:
             sys.argv = torchrun_argv(sys.argv)

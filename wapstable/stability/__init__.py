@@ -3,9 +3,9 @@
 `StepGuard` is the piece to use from any PyTorch loop (see `examples/plain_loop.py`).
 """
 
-from .clipping import AutoClipHistory, clip_gradients, grad_norm
-from .guard import SkipBudget, SpikeDetector
-from .step_guard import Outcome, StepGuard, StepResult
+from wapstable.stability.clipping import AutoClipHistory, clip_gradients, grad_norm
+from wapstable.stability.guard import SkipBudget, SpikeDetector
+from wapstable.stability.step_guard import Outcome, StepGuard, StepResult
 
 __all__ = [
     "AutoClipHistory",

@@ -4,24 +4,26 @@
 """
 
 import os
+import signal
 
 import torch
 
-from ..errors import UserError
-
-FAULTS = ("none", "nan_input", "inf_loss", "lr_spike", "attention_overflow", "preempt")
+from wapstable.errors import UserError
 
 
 class Fault:
-    def __init__(self, cfg_fault, rank: int = 0):
-        if cfg_fault.name not in FAULTS:
-            raise UserError(f"fault.name={cfg_fault.name!r} is unknown; use fault={', '.join(FAULTS)}")
+    def __init__(
+        self, cfg_fault, rank: int = 0, preempt_signal: int | None = getattr(signal, "SIGUSR2", None)
+    ):
         if cfg_fault.step < 0 or cfg_fault.steps < 1:
             raise UserError(
                 f"fault.step={cfg_fault.step} must be >= 0 and fault.steps={cfg_fault.steps} >= 1"
             )
         self.name, self.first, self.steps = cfg_fault.name, cfg_fault.step, cfg_fault.steps
         self.scale, self.here = cfg_fault.scale, cfg_fault.rank == rank
+        self.preempt_signal = (
+            preempt_signal  # the cluster's preemption signal (submitit: SUBMITIT_PREEMPT_SIGNAL)
+        )
 
     def active(self, step: int) -> bool:
         return self.name != "none" and self.here and self.first <= step < self.first + self.steps
@@ -47,16 +49,8 @@ class Fault:
         """attention_overflow: attention energies times fault.scale, so the naive exp/mask/divide softmax overflows."""
         return self.scale if self.name == "attention_overflow" and self.active(step) else 1.0
 
-    def set_model(self, model: torch.nn.Module, step: int) -> None:
-        scale = self.energy_scale(step)
-        for m in model.modules():
-            if hasattr(m, "energy_scale"):
-                m.energy_scale = scale
-
     def preempt(self, step: int) -> None:
         """preempt: the process sends itself the cluster's preemption signal (SIGUSR2) during the step, as SLURM
         does before a time limit: checks that a job checkpoints, requeues and resumes."""
-        from ..signals import preemption_signal
-
         if self.name == "preempt" and self.active(step):
-            os.kill(os.getpid(), preemption_signal())
+            os.kill(os.getpid(), self.preempt_signal)

@@ -19,8 +19,8 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..checkpoint import rng_state, set_rng_state
-from ..errors import UserError
+from wapstable.checkpoint import rng_state, set_rng_state
+from wapstable.errors import UserError
 
 # Ops whose output is uninitialised memory: NaN bits there are garbage, not a fault.
 _UNINITIALISED = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_")
@@ -292,10 +292,11 @@ def replay(state: dict, device="cpu", overrides: dict | None = None) -> dict:
     values, e.g. {"model.attention.stable": True}, to check that a fix makes the anomaly go away.
     The caller's RNG state is left as it was.
     """
-    from ..data import Batch
-    from ..model import build_model
-    from ..train.step import forward_loss, resolve_device
-    from .faults import Fault
+    from wapstable.data.batches import Batch
+    from wapstable.device import resolve_device
+    from wapstable.model.loss import forward_loss
+    from wapstable.model.wap import build_model
+    from wapstable.stability.faults import Fault
 
     if not isinstance(state, dict) or "anomaly" not in state:
         raise UserError(
@@ -321,7 +322,7 @@ def replay(state: dict, device="cpu", overrides: dict | None = None) -> dict:
         model.load_state_dict(state["model"])
         model.train()  # as in training: dropout on, BatchNorm on batch statistics
         set_rng_state(state["rng"])  # the RNG as it was before the step's forward: same dropout masks
-        fault.set_model(model, step)
+        model.scale_energies(fault.energy_scale(step))
         report = trace_nonfinite(model, lambda: forward_loss(model, batch, fault, step, precision))
         input_bad = int((~torch.isfinite(fault.batch(batch.images, step))).sum())
     finally:

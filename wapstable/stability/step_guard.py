@@ -18,7 +18,7 @@ stepped. Skips count against a budget (`max_consecutive_skips`, `max_total_skips
 caller decide (the trainer rolls back). Each skip can write an anomaly checkpoint: the model and optimizer state,
 the RNG state from before the forward, the offending batch, and per-layer gradient figures.
 
-The trainer (`wapstable.trainer`) runs its steps through this same object.
+The trainer (`wapstable.train.loop`) runs its steps through this same object.
 """
 
 import math
@@ -29,10 +29,16 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import rng_state, save_checkpoint
-from ..errors import TrainingStopped
-from .clipping import AutoClipHistory, mode_norm_type, plan_clip
-from .guard import SkipBudget, SpikeDetector, count_nonfinite_grads, grad_figures, nonfinite_flag
+from wapstable.checkpoint import rng_state, save_checkpoint
+from wapstable.errors import TrainingStopped
+from wapstable.stability.clipping import AutoClipHistory, mode_norm_type, plan_clip
+from wapstable.stability.guard import (
+    SkipBudget,
+    SpikeDetector,
+    count_nonfinite_grads,
+    grad_figures,
+    nonfinite_flag,
+)
 
 
 class Outcome(StrEnum):
@@ -157,6 +163,29 @@ class StepGuard:
         """Change the clip mode's options (a rollback tightens the threshold)."""
         self.clip_options.update(options)
 
+    def clip_threshold(self) -> float | None:
+        """The global-norm threshold in force: max_norm for norm and inf, autoclip's current percentile of the
+        norm history (a host sync); None for value, agc and none, which do not compare with the global norm."""
+        if self.clip_mode in ("norm", "inf"):
+            return float(self.clip_options["max_norm"])
+        if self.clip_mode == "autoclip" and self.history.count > 0:
+            return float(self.history.percentile(self.clip_options["percentile"]))
+        return None
+
+    def counters(self) -> dict:
+        """How many steps were accepted, clipped and skipped by the GradScaler, and anomaly files written."""
+        return {
+            "accepted": self.accepted,
+            "clipped": self.clipped,
+            "scaler_skips": self.scaler_skips,
+            "anomaly_checkpoints": self.anomaly_checkpoints,
+        }
+
+    def load_counters(self, counters: dict) -> None:
+        self.accepted, self.clipped, self.scaler_skips, self.anomaly_checkpoints = (
+            int(counters[k]) for k in ("accepted", "clipped", "scaler_skips", "anomaly_checkpoints")
+        )
+
     def step(
         self, loss: torch.Tensor, batch=None, rng_before: dict | None = None, before_update=None
     ) -> StepResult:
@@ -222,7 +251,7 @@ class StepGuard:
             else:
                 self.scaler_skips += 1
         if self.stats is not None:
-            self.stats.finish(step, result)
+            self.stats.finish(step, result, threshold=self.clip_threshold)
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         if outcome is Outcome.ACCEPTED and self.buffers:
@@ -281,8 +310,7 @@ class StepGuard:
             "budget": self.budget.state_dict(),
             "spikes": self.spikes.state_dict() if self.spikes is not None else None,
             "history": self.history.state_dict(),
-            "counts": {"accepted": self.accepted, "clipped": self.clipped, "scaler_skips": self.scaler_skips},
-            "anomaly_checkpoints": self.anomaly_checkpoints,
+            "counters": self.counters(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -291,8 +319,5 @@ class StepGuard:
         if self.spikes is not None and state.get("spikes") is not None:
             self.spikes.load_state_dict(state["spikes"])
         self.history.load_state_dict(state["history"])
-        self.accepted, self.clipped, self.scaler_skips = (
-            int(state["counts"][k]) for k in ("accepted", "clipped", "scaler_skips")
-        )
-        self.anomaly_checkpoints = int(state["anomaly_checkpoints"])
+        self.load_counters(state["counters"])
         self.refresh()

@@ -1,58 +1,134 @@
-"""One training step's forward: the WAP loss of a batch (with a configured fault), its precision, its device.
+"""One training step of the run: a batch from the stream, the model's forward with the configured fault, then
+`StepGuard.step` (backward, the finite decision, clipping, the optimizer step or a bit-exact skip); after a skip,
+the localisation of the first anomaly, and when the skip budget is spent a rollback or the stop."""
 
-Used by the trainer, by the anomaly replay and by the benchmark; the step's backward, decision, clipping and
-optimizer step are `wapstable.stability.StepGuard`'s.
-"""
+import json
+import logging
 
-import contextlib
+from wapstable.checkpoint import rng_state
+from wapstable.errors import TrainingStopped
+from wapstable.model.loss import forward_loss
+from wapstable.stability.clipping import clip_options, scaled_threshold
+from wapstable.stability.step_guard import Outcome, StepResult
 
-import torch
-import torch.nn.functional as F
-
-from ..errors import UserError
-from ..stability.faults import Fault
-
-
-def sequence_loss(logits: torch.Tensor, targets: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
-    """WAP's cost: negative log-likelihood summed over the tokens of each label, averaged over the batch."""
-    nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")  # (B*T,)
-    return (nll.view_as(target_mask) * target_mask).sum() / targets.shape[0]
+log = logging.getLogger("wapstable")
 
 
-def counting_loss(counts: torch.Tensor, targets: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
-    """CAN's counting loss: smooth L1 between predicted and true symbol counts, summed over the vocabulary (the
-    end token `<eol>` left out) and averaged over the batch, like the sequence loss."""
-    truth = torch.zeros_like(counts).scatter_add_(1, targets, target_mask.to(counts.dtype))  # (B, V)
-    return F.smooth_l1_loss(counts[:, 1:], truth[:, 1:], reduction="sum") / targets.shape[0]
+class TrainingStep:
+    """The step methods of `Trainer` (mixed into it; they read the trainer's components)."""
 
+    def train_one(self) -> StepResult:
+        """Draw a batch and take one guarded step; a skip is warned about, and may roll back or stop the run."""
+        self.stream_before = self.stream.state_dict()  # where an anomaly checkpoint's replay starts
+        batch = self.stream.next().to(self.device)
+        rng_before = rng_state() if self.cfg.guard.checkpoint_on_anomaly else None
+        result = self.train_step(batch, rng_before)
+        self.fault.preempt(self.step)
+        self.rollback.note_step(self.step, result.counted)
+        if result.skipped:
+            self.handle_skip(result)
+        self.step += 1
+        return result
 
-def forward_loss(model, batch, fault: Fault | None = None, step: int = -1, precision: str = "32"):
-    """The training loss of one batch, with the configured fault applied (used by training and by replay):
-    the sequence loss, plus `model.counting` x the counting loss when the model has a counting head."""
-    images = fault.batch(batch.images, step) if fault else batch.images
-    core = model.module if hasattr(model, "module") else model  # DDP wraps the WAP
-    weight = float(getattr(core, "counting_weight", 0.0))
-    with autocast(images.device, precision):
-        out = model(images, batch.image_mask, batch.targets, batch.target_mask, with_counts=weight > 0)
-    logits, counts = out if weight > 0 else (out, None)
-    loss = sequence_loss(logits, batch.targets, batch.target_mask)
-    if counts is not None:
-        loss = loss + weight * counting_loss(counts, batch.targets, batch.target_mask)
-    return fault.loss(loss, step) if fault else loss
+    def train_step(self, batch, rng_before: dict | None = None) -> StepResult:
+        """The model's forward (with the configured fault), then the guarded step: backward, the finite
+        decision, clipping, and the optimizer and scheduler step or a bit-exact skip."""
+        step = self.step
+        self.model.scale_energies(self.fault.energy_scale(step))
+        self.model.train()
+        loss = forward_loss(self.ddp_model, batch, self.fault, step, self.cfg.trainer.precision)
+        lr_mult = self.fault.lr_multiplier(step)
 
+        def spike_lr():  # lr_spike: this step's lr times fault.scale; the scheduler's step resets it
+            for group in self.optimizer.param_groups:
+                group["lr"] *= lr_mult
 
-def autocast(device: torch.device, precision: str):
-    if precision == "32":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
+        self.guard.steps = step
+        return self.guard.step(
+            loss, batch=batch, rng_before=rng_before, before_update=spike_lr if lr_mult != 1.0 else None
+        )
 
+    def handle_skip(self, result: StepResult) -> None:
+        """A skipped step: warn, localise the first anomaly, and when the budget is spent roll back or stop."""
+        cfg = self.cfg
+        if result.outcome is Outcome.SCALER:
+            log.info(
+                "step %d: fp16 overflow, GradScaler lowers its scale to %g",
+                self.step,
+                self.scaler.get_scale(),
+            )
+            return
+        log.warning("step %d skipped: %s", self.step, result.reason)
+        path = result.anomaly_path
+        if (
+            path is not None
+            and self.localization is None
+            and cfg.guard.localize
+            and cfg.guard.checkpoint_on_anomaly
+        ):
+            self.localize(path)
+        if not result.budget_exhausted:
+            return
+        reason = result.budget_exhausted
+        if self.rollback.can_roll_back() and self.roll_back(reason):
+            return
+        if self.rollback.events:
+            reason += f" after {len(self.rollback.events)} rollbacks (guard.max_rollbacks={cfg.guard.max_rollbacks})"
+        self.save("last")
+        self.finish_logs()
+        raise TrainingStopped(
+            f"{reason} at step {self.step}; anomaly checkpoints are in {self.run_dir / 'anomalies'}, "
+            f"replay one with `python scripts/replay_anomaly.py PATH`"
+        )
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("trainer.device=cuda but no CUDA device is available; use trainer.device=cpu or auto")
-    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
-        raise UserError(f"trainer.device={name!r} is unknown; use auto, cpu or cuda")
-    return torch.device(name)
+    def apply_backoff(self) -> None:
+        """Scale the schedule's base lrs by the rollback back-off in force, set the current lrs to match, and
+        tighten the guard's clip threshold by the clip back-off."""
+        self.scheduler.base_lrs = [lr * self.rollback.lr_scale for lr in self.base_lrs]
+        # This step's lr from the new base lrs; the scheduler's next step() computes the same (the trainer reads the
+        # lr from the optimizer, never the scheduler's private copy).
+        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+            group["lr"] = base * factor
+        opts = clip_options(self.cfg.clip, self.history, skip=self.clip_skip, scale=self.rollback.clip_scale)
+        self.guard.set_clip(**opts)
+
+    def roll_back(self, reason: str) -> bool:
+        """Restore the newest trusted state, back off lr and clip threshold, keep the data stream going."""
+        state = self.rollback.pick()
+        if state is None:
+            log.error("rollback: no state from before the failures to return to")
+            return False
+        source = self.rollback.floor_source if state is self.rollback.floor else "snapshot"
+        self.restore_training(state)
+        self.rollback.back_off()
+        self.apply_backoff()
+        self.budget.consecutive = 0
+        event = {
+            "step": self.step,
+            "restored_step": int(state["step"]),
+            "source": source,
+            "reason": reason,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "clip_threshold": scaled_threshold(self.cfg.clip, self.rollback.clip_scale),
+            "batches_skipped": self.step + 1 - int(state["step"]),
+        }
+        self.rollback.record(event)
+        log.warning(
+            "ROLLBACK %d/%d at step %d: %s; restored the %s of step %d, lr now %.4g, clip threshold %s, "
+            "%d batches skipped",
+            len(self.rollback.events),
+            self.cfg.guard.max_rollbacks,
+            self.step,
+            reason,
+            source,
+            event["restored_step"],
+            event["lr"],
+            event["clip_threshold"],
+            event["batches_skipped"],
+        )
+        # At the count of steps done, as train/*: this rollback ends step self.step + 1.
+        self.scalar("guard/rollback", len(self.rollback.events), self.step + 1)
+        if self.loggers is not None:
+            self.loggers.text("guard/rollbacks", json.dumps(event), self.step + 1)
+        return True

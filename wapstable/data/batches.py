@@ -13,9 +13,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .errors import UserError
-from .sample import Sample
-from .vocab import Vocab
+from wapstable.data.sample import Sample
+from wapstable.data.vocab import Vocab
+from wapstable.errors import UserError
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "valid", "test")
@@ -36,7 +36,7 @@ def load_splits(cfg_data, which: Sequence[str] = SPLITS) -> dict[str, list[Sampl
     """The samples of the configured data source by split; `which` splits to read (an evaluation needs one)."""
     name = cfg_data.name
     if name == "synthetic":
-        from .synthetic import build_splits
+        from wapstable.data.synthetic import build_splits
 
         for split in which:
             if getattr(cfg_data, f"num_{split}") <= 0:
@@ -45,8 +45,6 @@ def load_splits(cfg_data, which: Sequence[str] = SPLITS) -> dict[str, list[Sampl
                     f"empty; set data.num_{split} to a positive number"
                 )
         return {split: samples for split, samples in build_splits(cfg_data).items() if split in which}
-    if cfg_data.on_error not in ("fail", "skip"):
-        raise UserError(f"data.on_error={cfg_data.on_error!r} is not valid; use data.on_error=fail or skip")
     if not cfg_data.root:
         raise UserError(f"data={name} needs data.root, the folder that holds the data set")
     root = Path(cfg_data.root).expanduser()
@@ -54,22 +52,8 @@ def load_splits(cfg_data, which: Sequence[str] = SPLITS) -> dict[str, list[Sampl
         raise UserError(f"data.root={cfg_data.root} is not a folder; set data.root to the {name} data folder")
     splits, errors = {}, []
     for split in which:
-        part = getattr(cfg_data, split)
         try:
-            if name == "crohme":
-                from .crohme import load_crohme_split
-
-                samples, errs = load_crohme_split(
-                    root / part, cfg_data.height, cfg_data.line_width, cfg_data.on_error
-                )
-            elif name == "wap_pkl":
-                from .wap_pkl import load_wap_split
-
-                samples, errs = load_wap_split(
-                    root / f"offline-{part}.pkl", root / f"{part}_caption.txt", cfg_data.on_error
-                )
-            else:
-                raise UserError(f"data.name={name!r} is unknown; use synthetic, crohme or wap_pkl")
+            samples, errs = READERS[name](cfg_data, root, getattr(cfg_data, split))
         except (ValueError, OSError) as e:
             if isinstance(e, UserError):
                 raise
@@ -83,6 +67,22 @@ def load_splits(cfg_data, which: Sequence[str] = SPLITS) -> dict[str, list[Sampl
                 f"the {split} split of data={name} under {root} is empty; check data.root and data.{split}"
             )
     return splits
+
+
+def read_crohme(cfg_data, root: Path, part: str):
+    from wapstable.data.crohme import load_crohme_split
+
+    return load_crohme_split(root / part, cfg_data.height, cfg_data.line_width, cfg_data.on_error)
+
+
+def read_wap_pkl(cfg_data, root: Path, part: str):
+    from wapstable.data.wap_pkl import load_wap_split
+
+    return load_wap_split(root / f"offline-{part}.pkl", root / f"{part}_caption.txt", cfg_data.on_error)
+
+
+# data.name -> the reader of one split of a data set on disk: (samples, errors). `synthetic` renders its own.
+READERS = {"crohme": read_crohme, "wap_pkl": read_wap_pkl}
 
 
 def load_vocab(cfg_data, splits: dict[str, list[Sample]]) -> Vocab:

@@ -15,7 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .errors import TrainingStopped, UserError
+from wapstable.errors import TrainingStopped, UserError
 
 log = logging.getLogger(__name__)
 

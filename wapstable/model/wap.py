@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from wapstable.attention import CoverageAttention
+from wapstable.model.attention import CoverageAttention
 
 
 def _pool_mask(mask: Tensor) -> Tensor:
@@ -248,6 +248,10 @@ class WAP(nn.Module):
             names += [f"counter.{n}" for n, _ in self.counter.named_parameters()]
         return names
 
+    def scale_energies(self, scale: float) -> None:
+        """Multiply the attention energies by `scale` until told otherwise (the attention_overflow fault; 1 = off)."""
+        self.parser.attention.energy_scale = scale
+
     def encode(self, images: Tensor, image_mask: Tensor) -> tuple[Tensor, Tensor]:
         """images (B, 1, H, W), image_mask (B, H, W) -> features (B, C, h, w) (0 on padding), feat_mask (B, h, w)."""
         m = image_mask.to(images.dtype).unsqueeze(1)  # (B, 1, H, W)
@@ -298,23 +302,27 @@ class WAP(nn.Module):
         return (logits, counts) if with_counts else logits
 
 
+def vgg_watcher(c) -> VGGWatcher:
+    block_convs = list(getattr(c, "block_convs", None) or [])  # absent from older checkpoints' configs
+    return VGGWatcher(list(c.channels), block_convs or c.convs_per_block)
+
+
+def dense_watcher(c) -> DenseWatcher:
+    return DenseWatcher(
+        c.dense_init_channels, c.dense_growth, c.dense_layers, c.dense_blocks, c.dense_compression, c.dropout
+    )
+
+
+# model.watcher -> the encoder it builds (the schema's Watcher Enum lists the same names).
+WATCHERS = {"vgg": vgg_watcher, "dense": dense_watcher}
+
+
 def build_model(cfg_model, vocab_size: int) -> WAP:
     """The WAP of `cfg_model` (a ModelConfig) for a vocabulary of `vocab_size` tokens (`<eol>` = 0)."""
     c = cfg_model
-    if c.watcher == "vgg":
-        block_convs = list(getattr(c, "block_convs", None) or [])  # absent from older checkpoints' configs
-        watcher = VGGWatcher(list(c.channels), block_convs or c.convs_per_block)
-    elif c.watcher == "dense":
-        watcher = DenseWatcher(
-            c.dense_init_channels,
-            c.dense_growth,
-            c.dense_layers,
-            c.dense_blocks,
-            c.dense_compression,
-            c.dropout,
-        )
-    else:
-        raise ValueError(f"model.watcher must be 'vgg' or 'dense' (got {c.watcher!r})")
+    if c.watcher not in WATCHERS:  # only a config that skipped the schema gets here
+        raise ValueError(f"model.watcher must be one of {', '.join(WATCHERS)} (got {c.watcher!r})")
+    watcher = WATCHERS[c.watcher](c)
     counting = float(getattr(c, "counting", 0.0) or 0.0)  # absent from older checkpoints' configs
     if counting < 0:
         raise ValueError(f"model.counting={counting} must be >= 0 (0 turns the counting loss off)")

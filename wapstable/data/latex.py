@@ -10,9 +10,9 @@ Also home to DataError and the fail/skip policy shared by the data readers.
 
 import logging
 
+from wapstable.data.sample import Sample
+from wapstable.data.vocab import Vocab
 from wapstable.errors import UserError
-from wapstable.sample import Sample
-from wapstable.vocab import Vocab
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from matplotlib.mathtext import MathTextParser
 from torchvision.transforms.v2 import InterpolationMode
 from torchvision.transforms.v2 import functional as TF
 
-from wapstable.sample import Sample
+from wapstable.data.sample import Sample
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
-"""Per-layer gradient statistics (`grad_stats.csv`), their scalars, TensorBoard histograms, and attention images.
+"""Per-layer gradient statistics (`grad_stats.csv`), their scalars, and TensorBoard histograms.
 
-The usual method against exploding gradients: log every layer's gradient and weight figures, tell gradient explosion from the statistics, and
-pick the clip threshold from them (`scripts/grad_report.py` reads the CSV and suggests one). The trainer calls three
-hooks: `capture` before clipping, `finish` when the step is done (or skipped), `log_attention` at each evaluation.
+The usual method against exploding gradients: log every layer's gradient and weight figures, tell gradient explosion
+from the statistics, and pick the clip threshold from them (`scripts/grad_report.py` reads the CSV and suggests one).
+`StepGuard` calls two hooks: `capture` before clipping, `finish` when the step is done (or skipped).
 Figures are computed only every `stats.every` steps and on anomalous steps, which keeps the cost under 1%.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import UserError
+from wapstable.errors import UserError
 
 log = logging.getLogger("wapstable")
 
@@ -55,22 +55,19 @@ def _cell(x) -> str | float | int:
 
 
 class GradStats:
-    """Writes per-layer figures on stats steps and on anomalous steps; histograms; attention images.
+    """Writes per-layer figures on stats steps and on anomalous steps, and histograms.
 
-    `run_dir` None (a non-main DDP rank) turns everything off. `threshold` is a callable giving the clip threshold in
-    force (only called on stats steps, since autoclip's needs a host sync). `seconds` is the time spent in the hooks.
+    `run_dir` None (a non-main DDP rank) turns everything off. `seconds` is the time spent in the hooks.
     """
 
-    def __init__(self, cfg_stats, run_dir, loggers=None, threshold=None, norm_type: float = 2.0):
+    def __init__(self, cfg_stats, run_dir, loggers=None, norm_type: float = 2.0):
         validate_stats_config(cfg_stats)
         self.every = int(cfg_stats.every)
         self.histogram_every = int(cfg_stats.histogram_every)
-        self.n_images = int(cfg_stats.attention_images)
         self.enabled = run_dir is not None
         write_csv = bool(getattr(cfg_stats, "csv", True))
         self.path = Path(run_dir) / CSV_NAME if self.enabled and write_csv else None
         self.loggers = loggers  # a loggers.Loggers: scalars to every logger, pictures to TensorBoard
-        self.threshold = threshold or (lambda: None)
         self.norm_type = float(norm_type)
         self.pending: dict | None = None
         self.seconds = 0.0
@@ -120,8 +117,10 @@ class GradStats:
             )
         self.seconds += time.perf_counter() - t0
 
-    def finish(self, step: int, result) -> None:
-        """After the optimizer step (or the skip): weights and update ratios, then one CSV write per step."""
+    def finish(self, step: int, result, threshold=None) -> None:
+        """After the optimizer step (or the skip): weights and update ratios, then one CSV write per step.
+        `threshold()` gives the clip threshold in force (`StepGuard.clip_threshold`), asked only on stats steps:
+        autoclip's costs a host sync."""
         p = self.pending
         if p is None or p["step"] != step:
             return
@@ -141,7 +140,7 @@ class GradStats:
                 extra.append(torch.nn.utils.get_total_norm(grads, norm_type=self.norm_type).double())
         rows = per_layer.tolist()  # one host sync for the whole table
         glob = torch.cat([p["glob"], torch.stack(extra)]).tolist()
-        threshold = self.threshold()
+        threshold = threshold() if threshold is not None else None
 
         flags = [bool(result.clipped), bool(result.skipped)]
         table = []
@@ -200,35 +199,6 @@ class GradStats:
                     f"{tag}/{name}", lo, hi, values.numel(), total, squares, limits, counts, step
                 )
 
-    # ---- attention at evaluation ----
-    def log_attention(self, model, samples, vocab, step: int, max_len: int) -> None:
-        """The first `stats.attention_images` samples, decoded greedily, with each token's attention drawn."""
-        if self.tensorboard is None or self.n_images <= 0 or not samples:
-            return
-        t0 = time.perf_counter()
-        try:
-            self._log_attention(model, list(samples[: self.n_images]), vocab, step, max_len)
-        except Exception as e:  # a picture that fails must not end the run
-            log.warning("attention images at step %d failed: %s", step, e)
-        self.seconds += time.perf_counter() - t0
-
-    def _log_attention(self, model, chosen, vocab, step: int, max_len: int) -> None:
-        from .data import collate
-        from .decoding import greedy_decode
-
-        batch = collate(chosen, vocab).to(next(model.parameters()).device)
-        was_training = model.training
-        model.eval()
-        try:
-            seqs, maps = greedy_decode(model, batch.images, batch.image_mask, max_len, return_attention=True)
-        finally:
-            model.train(was_training)
-        images = batch.images[:, 0].float().cpu().numpy()
-        for i, sample in enumerate(chosen):
-            pred, att = vocab.decode(seqs[i]), maps[i].float().cpu().numpy()
-            image = attention_image(images[i], sample.image.shape, att, pred, sample.tokens)
-            self.tensorboard.add_image(f"attention/{i}", image, step, dataformats="HWC")
-
 
 def _norm_name(norm_type: float) -> str:
     return "inf" if math.isinf(norm_type) else f"{norm_type:g}"
@@ -238,57 +208,3 @@ def _ratio(num: float, den: float) -> float:
     if den > 0:
         return num / den
     return 0.0 if num == 0 else math.inf
-
-
-def attention_image(
-    image: np.ndarray,
-    size: tuple[int, int],
-    att: np.ndarray,
-    pred: list[str],
-    truth: list[str],
-    max_tokens: int = 11,
-) -> np.ndarray:
-    """An RGB uint8 (H, W, 3) grid: the input, then each decoded token's attention over it, captioned.
-
-    `image` is the padded (H, W) batch image, `size` the sample's own (h, w), `att` (T, gh, gw) on the batch's
-    feature grid, which covers the padded image: each map is stretched over it, then cropped to the sample. Drawn
-    with numpy and PIL, not matplotlib, because an evaluation should not wait on figures (a few ms, not 0.5 s).
-    """
-    import matplotlib as mpl
-    from PIL import Image, ImageDraw
-
-    h, w = size
-    H, W = image.shape
-    T = min(len(att), max_tokens)
-    gray = np.repeat(np.clip(image[:h, :w, None], 0, 1), 3, 2)  # ink bright on black, as the model sees it
-    panels = [(gray, "input")]
-    if T:
-        up = torch.nn.functional.interpolate(
-            torch.from_numpy(att[:T]).float()[:, None], size=(H, W), mode="bilinear"
-        )
-        up = up[:, 0, :h, :w].numpy()
-        heat = mpl.colormaps["inferno"](up / np.maximum(up.max((1, 2), keepdims=True), 1e-12))[..., :3]
-        for t in range(T):
-            token = pred[t] if t < len(pred) else "<eol>"
-            panels.append((0.4 * gray + 0.6 * heat[t], f"{t}: {token}"))
-    scale = max(1, min(4, 80 // max(h, 1)))  # small renderings are enlarged to stay readable
-    ph, pw, cap, pad, ncols = h * scale, w * scale, 14, 4, 3
-    nrows = math.ceil(len(panels) / ncols)
-    width = ncols * (pw + pad) + pad
-    header = [f"pred:  {' '.join(pred) or '(empty)'}", f"truth: {' '.join(truth)}"]
-    chars = max(20, width // 6)
-    header = [line[i : i + chars] for line in header for i in range(0, max(len(line), 1), chars)]
-    top = pad + 12 * len(header)
-    canvas = np.full((top + nrows * (ph + cap + pad), width, 3), 40, np.uint8)
-    for k, (panel, _) in enumerate(panels):
-        y = top + (k // ncols) * (ph + cap + pad) + cap
-        x = pad + (k % ncols) * (pw + pad)
-        canvas[y : y + ph, x : x + pw] = (np.kron(panel, np.ones((scale, scale, 1))) * 255).astype(np.uint8)
-    out = Image.fromarray(canvas)
-    draw = ImageDraw.Draw(out)
-    for i, line in enumerate(header):
-        draw.text((pad, pad + 12 * i), line, fill=(255, 255, 255))
-    for k, (_, caption) in enumerate(panels):
-        y = top + (k // ncols) * (ph + cap + pad)
-        draw.text((pad + (k % ncols) * (pw + pad), y + 1), caption, fill=(255, 220, 120))
-    return np.asarray(out)

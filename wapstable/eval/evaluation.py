@@ -1,4 +1,4 @@
-"""Evaluation and inference from a checkpoint: rebuild the model, decode samples or image files, score, draw.
+"""Evaluation and inference from a checkpoint: rebuild the model, decode samples or image files, score them.
 
 One evaluation path: the trainer's validation and test evaluations, `scripts/evaluate.py` and the tests all call
 `evaluate_samples`, so a number in metrics.json and one printed by evaluate.py come from the same code.
@@ -12,14 +12,14 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from .checkpoint import load_checkpoint
-from .data import collate, make_batches
-from .decoding import beam_search, greedy_decode
-from .errors import UserError
-from .metrics import ExpressionMetrics
-from .model import build_model
-from .sample import Sample
-from .vocab import Vocab
+from wapstable.checkpoint import load_checkpoint
+from wapstable.data.batches import collate, make_batches
+from wapstable.data.sample import Sample
+from wapstable.data.vocab import Vocab
+from wapstable.errors import UserError
+from wapstable.eval.metrics import ExpressionMetrics
+from wapstable.model.decoding import beam_search, greedy_decode
+from wapstable.model.wap import build_model
 
 MARGIN = 4  # px of background kept around the ink, as the synthetic renderer and the InkML rasteriser keep
 
@@ -155,63 +155,3 @@ def predict_image(model, image: np.ndarray, beam_size: int, max_len: int) -> tup
     model.eval()
     seqs, maps = decode(model, x, mask, beam_size, max_len, return_attention=True)
     return seqs[0], maps[0].float().cpu().numpy()
-
-
-def upsample_attention(att: np.ndarray, stride: int, size: tuple[int, int]) -> np.ndarray:
-    """Attention maps (T, h, w) on the feature grid as (T, H, W) maps on the image's pixels.
-
-    Cell (i, j) sees pixels [i*stride, (i+1)*stride) x [j*stride, (j+1)*stride); the pools round up, so the last
-    cells may reach past the image and are cut off. Bilinear, so that a peak reads as a blob, not a block.
-    """
-    gh, gw = att.shape[1:]
-    t = torch.as_tensor(att, dtype=torch.float32)[:, None]
-    up = torch.nn.functional.interpolate(
-        t, size=(gh * stride, gw * stride), mode="bilinear", align_corners=False
-    )
-    return up[:, 0, : size[0], : size[1]].numpy()
-
-
-def attention_figure(
-    image: np.ndarray, att: np.ndarray, tokens: list[str], stride: int, title: str, path
-) -> None:
-    """Save a grid: the input, then one panel per decoded token with the attention that emitted it drawn on top.
-
-    `image` is the (H, W) uint8 image the model read (ink bright), drawn as dark ink on white to read like paper;
-    `att` (T, h, w) is on the watcher's feature grid. Each map is scaled to its own peak, so every panel shows
-    where that step looked, however spread out its attention is.
-    """
-    from matplotlib import colormaps
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    H, W = image.shape
-    T = len(tokens)
-    aspect = W / H
-    ncols = max(1, min(T + 1, 5 if aspect < 2 else 4 if aspect < 4 else 3 if aspect < 8 else 2))
-    nrows = math.ceil((T + 1) / ncols)
-    panel_w = 2.6 if aspect < 4 else 4.0
-    panel_h = panel_w / aspect + 0.35  # room for the token above each panel
-    fig = Figure(figsize=(ncols * panel_w, nrows * panel_h + 0.5), dpi=100)
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(nrows, ncols, squeeze=False).flatten()
-    maps = upsample_attention(att, stride, (H, W)) if T else np.zeros((0, H, W))
-    heat = colormaps["plasma"]
-
-    def show(ax, text):
-        ax.imshow(255 - image, cmap="gray", vmin=0, vmax=255, interpolation="nearest")
-        ax.set_title(text.replace("$", r"\$"), fontsize=10)  # plain text: no mathtext for a token such as ^
-        ax.set_xticks([])
-        ax.set_yticks([])
-
-    show(axes[0], "input")
-    for t, tok in enumerate(tokens):
-        show(axes[t + 1], f"{t + 1}: {tok}")
-        a = maps[t] / max(float(maps[t].max()), 1e-12)
-        overlay = heat(a)
-        overlay[..., 3] = 0.75 * a  # the attention tints the ink where it is, and leaves the rest as it was
-        axes[t + 1].imshow(overlay, interpolation="nearest")
-    for ax in axes[T + 1 :]:
-        ax.axis("off")
-    fig.suptitle(title.replace("$", r"\$"), fontsize=11, wrap=True)
-    fig.tight_layout()
-    fig.savefig(path)

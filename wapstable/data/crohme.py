@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from wapstable.latex import DataError, check_on_error, normalize_crohme, on_data_error, tokenize_latex
-from wapstable.sample import Sample
+from wapstable.data.latex import DataError, check_on_error, normalize_crohme, on_data_error, tokenize_latex
+from wapstable.data.sample import Sample
 
 log = logging.getLogger(__name__)
 

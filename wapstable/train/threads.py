@@ -10,7 +10,7 @@ sweep's parallel jobs), at least 1.
 import os
 from collections.abc import Mapping
 
-from .errors import UserError
+from wapstable.errors import UserError
 
 
 def available_cores() -> int:

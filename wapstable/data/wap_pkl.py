@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from wapstable.latex import DataError, check_on_error, on_data_error
-from wapstable.sample import Sample
+from wapstable.data.latex import DataError, check_on_error, on_data_error
+from wapstable.data.sample import Sample
 
 log = logging.getLogger(__name__)
 

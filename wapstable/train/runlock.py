@@ -20,7 +20,7 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
-from .errors import UserError
+from wapstable.errors import UserError
 
 LOCK_NAME = "run.lock"
 _held: dict[

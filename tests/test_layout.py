@@ -1,0 +1,76 @@
+"""The package's layers point one way and its modules import each other without a cycle (lazy imports included),
+read from the source with `ast`, so a new cycle fails here before it fails at import time in some order."""
+
+import ast
+from pathlib import Path
+
+from conftest import ROOT
+
+PACKAGE = ROOT / "wapstable"
+# Lower layers never import the higher ones: data, model, stability and evaluation are used by the trainer and the
+# command-line tools, not the other way round.
+LOWER = ("wapstable.data", "wapstable.model", "wapstable.stability", "wapstable.eval")
+HIGHER = ("wapstable.train", "wapstable.cli")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports() -> dict[str, set[str]]:
+    """Each module of the package -> the package's modules it imports anywhere in its file."""
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("wapstable"):
+                assert node.level == 0, f"{name}: relative import"
+                for alias in node.names:  # `from wapstable.train import distributed` names a module
+                    sub = f"{node.module}.{alias.name}"
+                    found.add(sub if sub in modules else node.module)
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.startswith("wapstable")}
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def test_lower_layers_do_not_import_the_trainer_or_the_tools():
+    wrong = [
+        (m, d) for m, deps in imports().items() if m.startswith(LOWER) for d in deps if d.startswith(HIGHER)
+    ]
+    assert not wrong, wrong
+
+
+def test_no_import_cycle():
+    graph = imports()
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    cycles = []
+
+    def visit(m, path):
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                cycles.append(path[path.index(d) :] + [d])
+            elif d not in state:
+                visit(d, path + [d])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, cycles
+
+
+def test_the_checker_sees_a_cycle(tmp_path, monkeypatch):
+    """The cycle test can fail: two modules importing each other are found."""
+    pkg = tmp_path / "wapstable"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from wapstable.b import x\n")
+    (pkg / "b.py").write_text("def f():\n    from wapstable.a import y\n")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", pkg)
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    graph = imports()
+    assert graph["wapstable.a"] == {"wapstable.b"} and graph["wapstable.b"] == {"wapstable.a"}

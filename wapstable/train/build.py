@@ -1,0 +1,183 @@
+"""Config -> components: the one place where a run's config is read, checked and turned into the objects a run is
+made of (data, model, optimizer and schedule, the guard and its helpers). Every check here runs before any file of
+the run directory is written; each failure is one `UserError` sentence naming the key to change.
+
+The components themselves take plain values (the guard, the clip helpers, the data stream) or their own small
+config node (the model, the optimizer, the data source), so a loop of your own can build them without this module.
+"""
+
+import logging
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from wapstable.checkpoint import load_checkpoint
+from wapstable.config import Config, checkpoint_config
+from wapstable.data.batches import BatchStream, check_labels, filter_samples, load_splits, load_vocab
+from wapstable.data.vocab import Vocab
+from wapstable.errors import UserError
+from wapstable.model.wap import build_model
+from wapstable.stability.clipping import validate_clip_config
+from wapstable.stability.gradstats import validate_stats_config
+from wapstable.train.loggers import check_logger_config
+
+log = logging.getLogger("wapstable")
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Fail fast, before any file is written, on values the schema's types and Enums cannot catch (ranges, and
+    combinations of keys)."""
+    t = cfg.trainer
+    for key in ("max_steps", "eval_every", "checkpoint_every", "log_every"):
+        if t[key] <= 0:
+            raise UserError(f"trainer.{key}={t[key]} must be a positive number of steps")
+    if t.max_minutes < 0:
+        raise UserError(f"trainer.max_minutes={t.max_minutes} must be >= 0 (0 = no time limit)")
+    if t.precision not in ("32", "bf16", "fp16"):
+        raise UserError(f"trainer.precision={t.precision!r} is unknown; use 32, bf16 or fp16")
+    validate_clip_config(cfg.clip)
+    validate_stats_config(cfg.stats)
+    check_logger_config(cfg.logger)
+    g = cfg.guard
+    if g.max_consecutive_skips < 0 or g.max_total_skips < 0:
+        raise UserError("guard.max_consecutive_skips and guard.max_total_skips must be >= 0")
+    if g.snapshot_every < 0 or g.max_rollbacks < 0:
+        raise UserError(
+            "guard.snapshot_every and guard.max_rollbacks must be >= 0 (snapshot_every=0: snapshots only at "
+            "checkpoints)"
+        )
+    if not (0 < g.lr_backoff <= 1 and 0 < g.clip_backoff <= 1):
+        raise UserError("guard.lr_backoff and guard.clip_backoff must be in (0, 1]: a rollback lowers them")
+    d = cfg.data
+    if d.curriculum_epochs < 0:
+        raise UserError(f"data.curriculum_epochs={d.curriculum_epochs} must be >= 0 (0 = no curriculum)")
+    if d.pixel_budget <= 0 or d.max_batch <= 0:
+        raise UserError("data.pixel_budget and data.max_batch must be positive")
+    if cfg.decode.max_len <= 0 or cfg.decode.beam_size <= 0 or cfg.decode.final_beam_size <= 0:
+        raise UserError("decode.max_len, decode.beam_size and decode.final_beam_size must be positive")
+
+
+def resolve_resume(cfg: DictConfig, run_dir: Path) -> Path | None:
+    """The checkpoint to resume from: resume=PATH, or for resume=auto the run's last.pt when there is one."""
+    if not cfg.resume:
+        return None
+    if cfg.resume == "auto":
+        last = run_dir / "checkpoints" / "last.pt"
+        if last.is_file():
+            return last
+        log.info("resume=auto: no %s yet, starting fresh", last)  # a restarted job's log says which it did
+        return None
+    return Path(cfg.resume).expanduser()
+
+
+def effective_config(cfg: DictConfig, saved: dict, overrides: list[str]) -> DictConfig:
+    """The checkpoint's config with this command line's overrides on top (they win), as a resumed run uses."""
+    keys = []
+    for override in overrides:
+        key = override.lstrip("+~").split("=", 1)[0]
+        if key.startswith("hydra") or key in ("resume", "run_dir"):
+            continue
+        if "." not in key and key not in Config.__dataclass_fields__:
+            # A preset of the _global_ package (debug=tiny, experiment=...): no key of its own; what it set is in
+            # the checkpoint's config already, when the run was started with it.
+            continue
+        keys.append(key)
+    merged = checkpoint_config(saved, keys, cfg)
+    merged.resume, merged.run_dir = cfg.resume, cfg.run_dir
+    return merged
+
+
+def load_resume(cfg: DictConfig, run_dir: Path, overrides: list[str] | None):
+    """(config, state, path) of the run to continue; (cfg, None, None) for a fresh run. With `overrides` (the
+    command line's), the checkpoint's config is the base and they are applied on top."""
+    path = resolve_resume(cfg, run_dir)
+    if path is None:
+        return cfg, None, None
+    state = load_checkpoint(path)
+    if "config" not in state or "model" not in state:
+        raise UserError(f"{path} is a checkpoint without a training state; it cannot be resumed")
+    if overrides is not None:
+        cfg = effective_config(cfg, state["config"], overrides)
+    log.info("resuming from %s (step %d)", path, state["step"])
+    return cfg, state, path
+
+
+def build_data(cfg: DictConfig, resume_state: dict | None) -> tuple[dict, Vocab]:
+    """The three splits, checked against the vocabulary (the checkpoint's when resuming) and filtered as WAP does."""
+    d = cfg.data
+    splits = load_splits(d)
+    vocab = Vocab(list(resume_state["vocab"])) if resume_state is not None else load_vocab(d, splits)
+    for split in splits:
+        samples = check_labels(splits[split], vocab, d.on_error)
+        if split == "train":
+            samples = filter_samples(samples, d.max_image_pixels, d.max_tokens)
+        if not samples:
+            raise UserError(
+                f"no {split} sample is left after filtering; raise data.max_image_pixels or data.max_tokens"
+            )
+        splits[split] = samples
+    log.info(
+        "data: %s, %d train / %d valid / %d test samples, vocabulary of %d tokens",
+        d.name,
+        *(len(splits[s]) for s in ("train", "valid", "test")),
+        len(vocab),
+    )
+    return splits, vocab
+
+
+def build_stream(cfg: DictConfig, splits: dict, vocab: Vocab, rank: int, world_size: int) -> BatchStream:
+    """The endless, resumable stream of training batches (this rank's share under DDP)."""
+    d = cfg.data
+    return BatchStream(
+        splits["train"],
+        vocab,
+        d.pixel_budget,
+        d.max_batch,
+        cfg.seed,
+        rank=rank,
+        world_size=world_size,
+        num_workers=d.num_workers,
+        bucket_by=d.bucket_by,
+        curriculum_epochs=d.curriculum_epochs,
+    )
+
+
+def build_checked_model(
+    cfg: DictConfig,
+    vocab_size: int,
+    device: torch.device,
+    resume_state: dict | None,
+    resume_path: Path | None,
+) -> torch.nn.Module:
+    """The configured model on `device`; when resuming, refused unless the checkpoint's weights and optimizer fit."""
+    try:
+        model = build_model(cfg.model, vocab_size).to(device)
+    except ValueError as e:  # a model size that cannot be built: the message names the key
+        raise UserError(str(e)) from None
+    if resume_state is not None:
+        check_model_compatible(model, resume_state["model"], resume_path)
+        saved_optim = resume_state["config"].get("optim", {}).get("name")
+        if saved_optim and saved_optim != cfg.optim.name:
+            raise UserError(
+                f"checkpoint {resume_path} holds the state of optimizer {saved_optim}, not "
+                f"optim.name={cfg.optim.name}; resume with optim={saved_optim} (its lr and schedule may change)"
+            )
+    return model
+
+
+def check_model_compatible(model: torch.nn.Module, state: dict, path: Path) -> None:
+    """Refuse a checkpoint whose parameters do not fit this model, naming the first mismatch."""
+    own = model.state_dict()
+    missing = sorted(set(own) ^ set(state))
+    if missing:
+        raise UserError(
+            f"checkpoint {path} holds another model (parameter {missing[0]} is in one but not the other); "
+            "resume with the model config it was trained with"
+        )
+    for k, v in own.items():
+        if tuple(v.shape) != tuple(state[k].shape):
+            raise UserError(
+                f"checkpoint {path} holds a model of another size ({k}: {tuple(state[k].shape)} there, "
+                f"{tuple(v.shape)} here); resume with the model config it was trained with"
+            )

@@ -1,0 +1,206 @@
+"""The run: `train(cfg)` builds everything from the config, trains, evaluates, and returns the metrics.
+
+`Trainer` is put together from one class per concern: `build` turns the config into components (below, in
+`__init__`), `state.TrainingState` saves and loads the training state, `step.TrainingStep` takes one guarded step,
+`events.RunEvents` does what happens around the steps (evaluation, checkpoints, loggers, signals, the summary). The
+`fit` loop here reads in one sitting.
+"""
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from wapstable.device import resolve_device
+from wapstable.errors import UserError
+from wapstable.stability.clipping import AutoClipHistory, clip_options, mode_norm_type
+from wapstable.stability.faults import Fault
+from wapstable.stability.gradstats import GradStats
+from wapstable.stability.guard import SpikeDetector
+from wapstable.stability.rollback import Rollback
+from wapstable.stability.step_guard import StepGuard
+from wapstable.train import distributed
+from wapstable.train.build import (
+    build_checked_model,
+    build_data,
+    build_stream,
+    load_resume,
+    validate_config,
+)
+from wapstable.train.events import RunEvents
+from wapstable.train.loggers import Loggers
+from wapstable.train.optim import build_optimizer, build_scheduler
+from wapstable.train.runlock import run_lock
+from wapstable.train.signals import StopSignals, preemption_signal
+from wapstable.train.state import TrainingState
+from wapstable.train.step import TrainingStep
+from wapstable.train.threads import resolve_threads
+
+log = logging.getLogger("wapstable")
+
+
+class Trainer(TrainingStep, RunEvents, TrainingState):
+    """A run built from `cfg`: `fit()` trains it and returns its metrics."""
+
+    def __init__(
+        self,
+        cfg: DictConfig,
+        overrides: list[str] | None = None,
+        on_eval: Callable[[dict], bool] | None = None,
+        parallel_jobs: int = 1,
+    ):
+        self.run_dir = Path(cfg.run_dir)
+        cfg, self.resume_state, self.resume_path = load_resume(cfg, self.run_dir, overrides)
+        self.fresh_over_existing = (
+            self.resume_path is None and (self.run_dir / "checkpoints" / "last.pt").exists()
+        )
+        validate_config(cfg)
+        threads = resolve_threads(cfg.trainer.threads, parallel_jobs)
+        self.cfg, self.on_eval = cfg, on_eval
+        self.dist = distributed.setup(cfg.trainer.ddp, cfg.trainer.device)
+        self.device = self.dist.device if cfg.trainer.ddp else resolve_device(cfg.trainer.device)
+        if threads > 0:
+            torch.set_num_threads(threads)
+        torch.manual_seed(cfg.seed)
+
+        # Components, each from its part of the config.
+        self.splits, self.vocab = build_data(cfg, self.resume_state)
+        self.model = build_checked_model(
+            cfg, len(self.vocab), self.device, self.resume_state, self.resume_path
+        )
+        self.ddp_model = self.dist.wrap(self.model)
+        self.optimizer = build_optimizer(cfg.optim, self.model.parameters())
+        self.scheduler = build_scheduler(cfg.optim, self.optimizer, cfg.trainer.max_steps, self.time_done)
+        self.base_lrs = list(self.scheduler.base_lrs)  # before any rollback's back-off
+        self.stream = build_stream(cfg, self.splits, self.vocab, self.dist.rank, self.dist.world_size)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.trainer.precision == "fp16")
+        self.fault = Fault(cfg.fault, self.dist.rank, preemption_signal())
+        self.rollback = Rollback(cfg.guard)
+        self.history = AutoClipHistory(cfg.clip.history)
+        self.spikes = SpikeDetector(cfg.guard.spike_window, cfg.guard.spike_zscore, cfg.guard.spike_warmup)
+        output_params = set(self.model.output_layer_names())
+        self.clip_skip = [
+            p for n, p in self.model.named_parameters() if n in output_params
+        ]  # agc leaves them
+        self.stats = GradStats(  # grad_stats.csv and histograms; only the main rank writes statistics
+            cfg.stats,
+            self.run_dir if self.dist.is_main else None,
+            norm_type=mode_norm_type(cfg.clip.mode, cfg.clip.norm_type),
+        )
+        g = cfg.guard
+        self.guard = StepGuard(  # the same guard any PyTorch loop can use
+            self.model,
+            self.optimizer,
+            scheduler=self.scheduler,
+            clip=cfg.clip.mode,
+            **clip_options(cfg.clip, self.history, skip=self.clip_skip),
+            scaler=self.scaler,
+            skip_nonfinite=g.skip_nonfinite,
+            spikes=self.spikes if g.skip_spikes else None,
+            max_consecutive_skips=g.max_consecutive_skips,
+            max_total_skips=g.max_total_skips,
+            raise_on_exhausted=False,  # the trainer rolls back or stops, writing last.pt first
+            max_anomaly_checkpoints=g.max_anomaly_checkpoints if g.checkpoint_on_anomaly else 0,
+            write_anomaly=self.write_anomaly,
+            stats=self.stats,
+            reduce_flag=self.dist.any,
+            agree=self.dist.agree,
+        )
+        self.budget = self.guard.budget
+
+        # The run's own records.
+        self.step = 0
+        self.best = {"exprate": -1.0, "step": -1}
+        self.evals: list[dict] = []
+        self.anomalies: list[dict] = []
+        self.localization: dict | None = None
+        self.stopped_by_time = self.pruned = (
+            False  # pruned: a sweep's pruner stopped the run at an evaluation
+        )
+        self.elapsed_before = 0.0  # training seconds of the runs this one resumes
+        self.start_time: float | None = None  # when fit began
+        self.stream_before: dict | None = None  # the stream's position before the current step's batch
+        self.loggers: Loggers | None = None  # opened by fit, on the main rank only
+        if self.resume_state is not None:
+            self.load_state(self.resume_state)
+
+    def fit(self) -> dict:
+        """Guarded steps, each followed by its events (consistency check, evaluation, snapshot, checkpoint), until
+        trainer.max_steps, the time budget or a stop signal; then the final test (or, after a signal, last.pt and
+        the hand-over to the cluster's requeue)."""
+        t = self.cfg.trainer
+        self.begin()
+        signals, progress = StopSignals(), self.progress_bar()
+        try:
+            with self.anomaly_detection(), signals:
+                time_up = self.time_up()
+                while self.step < t.max_steps and not time_up:
+                    self.log_step(self.train_one(), progress)
+                    time_up = self.after_step(progress)
+                    if self.pruned:  # a sweep's pruner gave up on this trial at its evaluation
+                        return self.pruned_metrics()
+                    if self.dist.agree(signals.received is not None):  # all ranks stop after the same step
+                        return self.stop_for(signals)
+        finally:
+            if progress is not None:
+                progress.close()
+        return self.final_metrics()
+
+    def begin(self) -> None:
+        """Refuse to overwrite another run, create the run directory, open the logs, trust the starting state."""
+        cfg = self.cfg
+        if self.fresh_over_existing:  # checked after every other input, so those errors come first
+            raise UserError(
+                f"{self.run_dir} already holds a run (checkpoints/last.pt); continue it with resume=auto, or "
+                "start a new one in another hydra.run.dir"
+            )
+        self.start_time = time.time()
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.vocab.save(self.run_dir / "vocab.txt")
+        self.open_loggers()
+        log.info(
+            "model %s: %.2fM parameters; optimizer %s lr %g; clip %s; device %s; precision %s; %d threads",
+            cfg.model.name,
+            sum(p.numel() for p in self.model.parameters()) / 1e6,
+            cfg.optim.name,
+            cfg.optim.lr,
+            cfg.clip.mode,
+            self.device,
+            cfg.trainer.precision,
+            torch.get_num_threads(),
+        )
+        self.dist.check_consistency(self.model, self.step)  # same step and weights on every rank (DDP only)
+        self.rollback.start(self.state, on_disk=self.trusted_on_disk())
+
+    def anomaly_detection(self):
+        return torch.autograd.detect_anomaly() if self.cfg.guard.detect_anomaly else contextlib.nullcontext()
+
+
+def train(
+    cfg: DictConfig,
+    overrides: list[str] | None = None,
+    on_eval: Callable[[dict], bool] | None = None,
+    parallel_jobs: int = 1,
+) -> dict:
+    """Train as `cfg` says; returns the metrics dict (also written to `metrics.json` in the run directory).
+
+    `overrides` are the command line's overrides: when resuming, they are applied on top of the checkpoint's
+    config (they win); without them the given config is used as it is. `on_eval` gets each validation's record
+    (step, exprate, wer, loss) and may stop training there by returning True: a sweep's pruner, and the metrics
+    then say `pruned`. `parallel_jobs`: how many runs share this machine's cores (for `trainer.threads=auto`).
+    """
+    with run_lock(cfg.run_dir):  # one process per run directory (rank 0 under torchrun)
+        trainer = Trainer(cfg, overrides, on_eval, parallel_jobs)
+        finished = False
+        try:
+            metrics = trainer.fit()
+            finished = not metrics.get("preempted")
+            return metrics
+        finally:
+            trainer.close_loggers(finished)  # a run the guard stopped, or one that crashed, is marked failed
+            trainer.dist.cleanup()
