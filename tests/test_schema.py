@@ -72,7 +72,11 @@ def test_the_optimizer_is_its_target_with_the_keys_it_takes():
     from wapstable.train.optim import build_optimizer
 
     params = [torch.nn.Parameter(torch.zeros(3))]
-    for option, cls in (("adadelta", torch.optim.Adadelta), ("adam", torch.optim.Adam), ("sgd", torch.optim.SGD)):
+    for option, cls in (
+        ("adadelta", torch.optim.Adadelta),
+        ("adam", torch.optim.Adam),
+        ("sgd", torch.optim.SGD),
+    ):
         cfg = compose_config([f"optim={option}"])
         opt = build_optimizer(cfg.optim, params)
         assert type(opt) is cls and opt.defaults["lr"] == cfg.optim.lr
@@ -81,7 +85,9 @@ def test_the_optimizer_is_its_target_with_the_keys_it_takes():
     assert type(opt) is torch.optim.AdamW and opt.defaults["weight_decay"] == 0.01
     assert opt.defaults["betas"] == (0.9, 0.999)  # a list in YAML, the tuple torch expects
     cfg.optim._target_ = "torch.optim.Nope"
-    with pytest.raises(UserError, match="optim._target_=torch.optim.Nope is not an importable optimizer class"):
+    with pytest.raises(
+        UserError, match="optim._target_=torch.optim.Nope is not an importable optimizer class"
+    ):
         build_optimizer(cfg.optim, params)
 
 

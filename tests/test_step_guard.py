@@ -189,3 +189,18 @@ def test_state_dict_carries_the_budget_and_counts_to_a_new_guard():
     resumed.step(nn.functional.mse_loss(model(x), y))  # the second skip in a row: within the budget of 2
     with pytest.raises(TrainingStopped, match="3 consecutive skipped steps"):
         resumed.step(nn.functional.mse_loss(model(x), y))
+
+
+def test_a_first_release_state_dict_still_loads():
+    """The guard's state_dict once kept `counts` and `anomaly_checkpoints` apart; such a file loads the same."""
+    model = two_layer()
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    guard = StepGuard(model, opt, clip="norm")
+    for x, y in batches(nan_at=1)[:3]:
+        guard.step(nn.functional.mse_loss(model(x), y))
+    state = guard.state_dict()
+    counters = state.pop("counters")
+    old = {**state, "anomaly_checkpoints": counters.pop("anomaly_checkpoints"), "counts": counters}
+    resumed = StepGuard(model, opt, clip="norm")
+    resumed.load_state_dict(old)
+    assert resumed.counters() == guard.counters() and resumed.accepted == 2

@@ -6,6 +6,7 @@ pixel budget and a maximum batch size, drop images over the budget and labels ov
 
 import logging
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -33,18 +34,26 @@ class Batch(NamedTuple):
 
 
 def load_splits(cfg_data, which: Sequence[str] = SPLITS) -> dict[str, list[Sample]]:
-    """The samples of the configured data source by split; `which` splits to read (an evaluation needs one)."""
-    name = cfg_data.name
-    if name == "synthetic":
-        from wapstable.data.synthetic import build_splits
+    """The samples of the data source `data.name` by split; `which` splits to read (an evaluation needs one)."""
+    return SOURCES[cfg_data.name](cfg_data, which)
 
-        for split in which:
-            if getattr(cfg_data, f"num_{split}") <= 0:
-                raise UserError(
-                    f"data.num_{split}={getattr(cfg_data, f'num_{split}')} leaves the synthetic {split} split "
-                    f"empty; set data.num_{split} to a positive number"
-                )
-        return {split: samples for split, samples in build_splits(cfg_data).items() if split in which}
+
+def synthetic_splits(cfg_data, which: Sequence[str]) -> dict[str, list[Sample]]:
+    """Expressions rendered by the project itself (cached under data.cache_dir)."""
+    from wapstable.data.synthetic import build_splits
+
+    for split in which:
+        if getattr(cfg_data, f"num_{split}") <= 0:
+            raise UserError(
+                f"data.num_{split}={getattr(cfg_data, f'num_{split}')} leaves the synthetic {split} split "
+                f"empty; set data.num_{split} to a positive number"
+            )
+    return {split: samples for split, samples in build_splits(cfg_data).items() if split in which}
+
+
+def read_splits(read_split, cfg_data, which: Sequence[str]) -> dict[str, list[Sample]]:
+    """A data set on disk under data.root: `read_split(cfg_data, root, part)` gives one split's (samples, errors)."""
+    name = cfg_data.name
     if not cfg_data.root:
         raise UserError(f"data={name} needs data.root, the folder that holds the data set")
     root = Path(cfg_data.root).expanduser()
@@ -53,7 +62,7 @@ def load_splits(cfg_data, which: Sequence[str] = SPLITS) -> dict[str, list[Sampl
     splits, errors = {}, []
     for split in which:
         try:
-            samples, errs = READERS[name](cfg_data, root, getattr(cfg_data, split))
+            samples, errs = read_split(cfg_data, root, getattr(cfg_data, split))
         except (ValueError, OSError) as e:
             if isinstance(e, UserError):
                 raise
@@ -81,8 +90,12 @@ def read_wap_pkl(cfg_data, root: Path, part: str):
     return load_wap_split(root / f"offline-{part}.pkl", root / f"{part}_caption.txt", cfg_data.on_error)
 
 
-# data.name -> the reader of one split of a data set on disk: (samples, errors). `synthetic` renders its own.
-READERS = {"crohme": read_crohme, "wap_pkl": read_wap_pkl}
+# data.name -> its splits (the schema's DataSource Enum lists the same names): adding a source is one entry here.
+SOURCES = {
+    "synthetic": synthetic_splits,
+    "crohme": partial(read_splits, read_crohme),
+    "wap_pkl": partial(read_splits, read_wap_pkl),
+}
 
 
 def load_vocab(cfg_data, splits: dict[str, list[Sample]]) -> Vocab:

@@ -17,10 +17,13 @@ from collections.abc import Callable, Iterator
 
 import torch
 from omegaconf import OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from wapstable.checkpoint import rng_state, set_rng_state
+from wapstable.config import checkpoint_config
 from wapstable.errors import UserError
+from wapstable.stability.guard import count_nonfinite_grads
 
 # Ops whose output is uninitialised memory: NaN bits there are garbage, not a fault.
 _UNINITIALISED = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_")
@@ -237,14 +240,9 @@ def trace_nonfinite(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor])
     finally:
         rec.remove()
     loss_value = float(loss.detach().float())
-    nonfinite_grads, sq = {}, 0.0
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            g = p.grad.detach().float()
-            bad = int((~torch.isfinite(g)).sum())
-            if bad:
-                nonfinite_grads[name] = bad
-            sq += float(g.pow(2).sum())
+    _, nonfinite_grads = count_nonfinite_grads(model.named_parameters())
+    grads = [p.grad.detach().float() for p in model.parameters() if p.grad is not None]
+    grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0  # nan and inf pass through
     fm, fo = rec.forward_module or {}, rec.probe.found or {}
     owner = rec.first_bad_param.rpartition(".")[0] or None if rec.first_bad_param else None
     if fm or fo or not math.isfinite(loss_value):
@@ -257,7 +255,7 @@ def trace_nonfinite(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor])
         "reproduced": not math.isfinite(loss_value) or bool(nonfinite_grads),
         "origin": origin,
         "loss": loss_value,
-        "grad_norm": math.sqrt(sq),  # nan and inf pass through
+        "grad_norm": grad_norm,
         "first_forward_module": fm.get("name"),
         "first_forward_module_kind": fm.get("kind"),
         "first_forward_module_inputs": fm.get("inputs"),
@@ -275,14 +273,19 @@ def trace_nonfinite(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor])
 
 
 def apply_overrides(config: dict, overrides: dict | None):
-    """The run's config as an OmegaConf object, with dotted-key overrides on top (each key must exist)."""
-    cfg = OmegaConf.create(config)
-    missing = object()
-    for key, value in (overrides or {}).items():
-        if OmegaConf.select(cfg, key, default=missing) is missing:
-            raise UserError(f"override {key}={value!r}: the checkpoint's config has no key {key!r}")
-        OmegaConf.update(cfg, key, value, merge=True)
-    return cfg
+    """The run's config in this version's schema, with dotted-key overrides on top (each key must exist): the same
+    merge as a resumed run's and scripts/evaluate.py's (`checkpoint_config`)."""
+    overrides = overrides or {}
+    source = OmegaConf.create()
+    for key, value in overrides.items():
+        OmegaConf.update(source, key, value)
+    try:
+        return checkpoint_config(config, list(overrides), source)
+    except (ConfigKeyError, ConfigAttributeError) as e:
+        key = next((k for k in overrides if k in str(e)), str(e).splitlines()[0])
+        raise UserError(f"override {key}: the checkpoint's config has no key {key!r}") from None
+    except OmegaConfBaseException as e:
+        raise UserError(f"the anomaly checkpoint's config does not fit: {str(e).splitlines()[0]}") from None
 
 
 def replay(state: dict, device="cpu", overrides: dict | None = None) -> dict:

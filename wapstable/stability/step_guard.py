@@ -319,5 +319,10 @@ class StepGuard:
         if self.spikes is not None and state.get("spikes") is not None:
             self.spikes.load_state_dict(state["spikes"])
         self.history.load_state_dict(state["history"])
+        if "counters" not in state:  # a state_dict of the first release: counts and anomaly_checkpoints apart
+            state = {
+                **state,
+                "counters": {**state["counts"], "anomaly_checkpoints": state["anomaly_checkpoints"]},
+            }
         self.load_counters(state["counters"])
         self.refresh()

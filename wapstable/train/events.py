@@ -21,6 +21,7 @@ from wapstable.stability.guard import grad_figures
 from wapstable.stability.step_guard import StepResult
 from wapstable.train.loggers import build_loggers
 from wapstable.train.signals import StopSignals
+from wapstable.train.state import Best
 
 log = logging.getLogger("wapstable")
 
@@ -123,8 +124,8 @@ class RunEvents:
         for k in ("exprate", "wer", "loss"):
             self.scalar(f"valid/{k}", result[k], self.step)
         self.log_attention()
-        if result["exprate"] > self.best["exprate"]:
-            self.best = {"exprate": result["exprate"], "step": self.step}
+        if result["exprate"] > self.best.exprate:
+            self.best = Best(result["exprate"], self.step)
             self.save("best")
         return record
 
@@ -244,8 +245,8 @@ class RunEvents:
             "steps": self.step,
             "stopped_by_time": self.stopped_by_time,
             "wall_time_s": round(self.elapsed(), 2),
-            "best_valid_exprate": self.best["exprate"],
-            "best_step": self.best["step"],
+            "best_valid_exprate": self.best.exprate,
+            "best_step": self.best.step,
             "final_valid_exprate": final_valid.get("exprate"),
             "final_valid_wer": final_valid.get("wer"),
             "skipped_steps": self.budget.total + counters["scaler_skips"],
@@ -267,7 +268,7 @@ class RunEvents:
             "pruned by the sweep at step %d: valid ExpRate %.2f%% (best %.2f%%)",
             self.step,
             self.evals[-1]["exprate"],
-            self.best["exprate"],
+            self.best.exprate,
         )
         self.finish_logs()
         if self.dist.is_main:

@@ -36,7 +36,7 @@ from wapstable.train.loggers import Loggers
 from wapstable.train.optim import build_optimizer, build_scheduler
 from wapstable.train.runlock import run_lock
 from wapstable.train.signals import StopSignals, preemption_signal
-from wapstable.train.state import TrainingState
+from wapstable.train.state import Best, TrainingState
 from wapstable.train.step import TrainingStep
 from wapstable.train.threads import resolve_threads
 
@@ -66,6 +66,11 @@ class Trainer(TrainingStep, RunEvents, TrainingState):
         if threads > 0:
             torch.set_num_threads(threads)
         torch.manual_seed(cfg.seed)
+
+        self.elapsed_before = (
+            0.0  # training seconds of the runs this one resumes (the schedule may follow them)
+        )
+        self.start_time: float | None = None  # when fit began
 
         # Components, each from its part of the config.
         self.splits, self.vocab = build_data(cfg, self.resume_state)
@@ -114,15 +119,13 @@ class Trainer(TrainingStep, RunEvents, TrainingState):
 
         # The run's own records.
         self.step = 0
-        self.best = {"exprate": -1.0, "step": -1}
+        self.best = Best()  # the best valid ExpRate so far, and its step
         self.evals: list[dict] = []
         self.anomalies: list[dict] = []
         self.localization: dict | None = None
         self.stopped_by_time = self.pruned = (
             False  # pruned: a sweep's pruner stopped the run at an evaluation
         )
-        self.elapsed_before = 0.0  # training seconds of the runs this one resumes
-        self.start_time: float | None = None  # when fit began
         self.stream_before: dict | None = None  # the stream's position before the current step's batch
         self.loggers: Loggers | None = None  # opened by fit, on the main rank only
         if self.resume_state is not None:

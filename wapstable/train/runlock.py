@@ -15,10 +15,7 @@ The PID left in the file by a dead holder means nothing: only the lock counts.
 import contextlib
 import fcntl
 import os
-import sys
 from pathlib import Path
-
-from hydra.experimental.callback import Callback
 
 from wapstable.errors import UserError
 
@@ -73,14 +70,3 @@ def run_lock(run_dir: str | Path):
     finally:
         if not held_before:
             release(run_dir)
-
-
-class RunLockCallback(Callback):
-    """Hydra callback: lock a plain run's directory before Hydra writes into it (`hydra.callbacks.run_lock`)."""
-
-    def on_run_start(self, config, **kwargs) -> None:
-        try:
-            acquire(config.hydra.run.dir)
-        except UserError as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)

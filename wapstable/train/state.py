@@ -5,6 +5,7 @@ resume's counters, stream position and RNG on top)."""
 import logging
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from omegaconf import OmegaConf
 
@@ -12,6 +13,13 @@ from wapstable.checkpoint import load_checkpoint, rng_state, save_checkpoint, se
 from wapstable.errors import UserError
 
 log = logging.getLogger("wapstable")
+
+
+class Best(NamedTuple):
+    """The best validation ExpRate so far and the step it was reached at (-1 before the first evaluation)."""
+
+    exprate: float = -1.0
+    step: int = -1
 
 
 class TrainingState:
@@ -34,7 +42,7 @@ class TrainingState:
                 "history": self.history.state_dict(),
             },
             "rollback": self.rollback.state_dict(),
-            "best": dict(self.best),
+            "best": self.best._asdict(),
             "counters": self.guard.counters(),
             "evals": list(self.evals),
             "anomalies": list(self.anomalies),
@@ -62,7 +70,7 @@ class TrainingState:
         if "rollback" in state:
             self.rollback.load_state_dict(state["rollback"])
         self.apply_backoff()
-        self.best = dict(state["best"])
+        self.best = Best(**state["best"])
         self.guard.load_counters(state["counters"])
         self.evals = list(state["evals"])
         self.anomalies = list(state["anomalies"])
