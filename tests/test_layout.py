@@ -74,3 +74,17 @@ def test_the_checker_sees_a_cycle(tmp_path, monkeypatch):
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     graph = imports()
     assert graph["wapstable.a"] == {"wapstable.b"} and graph["wapstable.b"] == {"wapstable.a"}
+
+
+def test_only_the_entry_points_exit():
+    """Library code raises (UserError, TrainingStopped); only `wapstable.cli` turns that into an exit status."""
+    exits = []
+    for path in PACKAGE.rglob("*.py"):
+        name = module_name(path)
+        if name.startswith("wapstable.cli"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("exit", "_exit"):
+                if isinstance(node.value, ast.Name) and node.value.id in ("sys", "os"):
+                    exits.append(f"{name}:{node.lineno}")
+    assert not exits, exits

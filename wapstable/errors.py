@@ -1,7 +1,4 @@
-"""The ways a run ends early on purpose, and how a script reports the first."""
-
-import sys
-from collections.abc import Callable
+"""The ways a run ends early on purpose; the entry points (`wapstable.cli`) turn them into exit statuses."""
 
 
 class UserError(ValueError):
@@ -14,12 +11,3 @@ class TrainingStopped(RuntimeError):
 
 class TrialPruned(RuntimeError):
     """A sweep's pruner stopped this trial at an evaluation (`wapstable.train.sweep`); the sweeper records it as pruned."""
-
-
-def run_script(main: Callable[[], int]) -> None:
-    """Exit with `main()`'s status; a UserError is one `error:` line on stderr and exit status 2."""
-    try:
-        sys.exit(main())
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)

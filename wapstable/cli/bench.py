@@ -41,9 +41,9 @@ import numpy as np
 import torch
 
 from wapstable.checkpoint import rng_state
+from wapstable.cli import run_script
 from wapstable.config import CONF_DIR, TINY_OVERRIDES, quote_group_options, register_configs
 from wapstable.data.synthetic import generate_expressions, render
-from wapstable.errors import run_script
 from wapstable.model.attention import CoverageAttention, masked_softmax
 from wapstable.model.loss import forward_loss
 from wapstable.stability.clipping import AutoClipHistory, clip_gradients_, clip_options

@@ -24,9 +24,10 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from wapstable.cli import run_script
 from wapstable.config import CONF_DIR, checkpoint_config, register_configs
 from wapstable.data.batches import SPLITS, check_labels, load_splits
-from wapstable.errors import UserError, run_script
+from wapstable.errors import UserError
 from wapstable.eval.evaluation import evaluate_samples, load_model
 from wapstable.eval.metrics import format_table
 

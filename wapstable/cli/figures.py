@@ -28,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from wapstable.errors import UserError, run_script
+from wapstable.cli import run_script
+from wapstable.errors import UserError
 
 FIGURES = ("samples", "grad", "sweep", "exprate", "attention")
 # The tiny runs: debug=tiny (conf/debug/tiny.yaml) without loggers or progress bars.

@@ -21,7 +21,8 @@ from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator
 
-from wapstable.errors import UserError, run_script
+from wapstable.cli import run_script
+from wapstable.errors import UserError
 from wapstable.stability.gradstats import CSV_NAME, GLOBAL
 
 PERCENTILES = [50.0, 75.0, 90.0, 95.0, 99.0]

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from wapstable.errors import UserError, run_script
+from wapstable.cli import run_script
+from wapstable.errors import UserError
 from wapstable.eval.attention_maps import save_attention_image
 from wapstable.eval.evaluation import (
     load_model,

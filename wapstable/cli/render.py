@@ -15,9 +15,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from wapstable.cli import run_script
 from wapstable.data.latex import tokenize_latex
 from wapstable.data.synthetic import FONTS, render, tokens_to_mathtext
-from wapstable.errors import UserError, run_script
+from wapstable.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
