@@ -86,6 +86,11 @@ def train_into(run, cache_dir, *args):
         (["trainer.max_steps=0"], 2, ["error: trainer.max_steps=0 must be a positive number of steps"]),
         (["data.bucket_by=width"], 1, ["Invalid value 'width', expected one of [size, tokens]"]),
         (
+            ["optim._target_=torch.optim.Nope"],
+            2,
+            ["error: optim._target_=torch.optim.Nope is not an importable optimizer class"],
+        ),
+        (
             ["guard.snapshot_every=-1"],
             2,
             ["error: guard.snapshot_every and guard.max_rollbacks must be >= 0"],
@@ -107,6 +112,7 @@ def train_into(run, cache_dir, *args):
         "zero-clip",
         "zero-steps",
         "bucket",
+        "optimizer-class",
         "snapshot-every",
         "backoff",
         "block-convs",
