@@ -17,7 +17,7 @@ import yaml
 
 from wapstable.checkpoint import load_checkpoint
 from wapstable.errors import UserError
-from wapstable.stability.replay import replay, summarize
+from wapstable.stability.replay import format_range, replay, summarize
 from wapstable.train.events import strict
 from wapstable.train.threads import resolve_threads
 
@@ -42,13 +42,6 @@ def _num(x) -> str:
     return "n/a" if x is None else f"{x:.4g}"
 
 
-def _range(s: dict | None) -> str:
-    if not s:
-        return "n/a"
-    finite = "no finite value" if s["min"] is None else f"[{s['min']:.4g}, {s['max']:.4g}]"
-    return f"{finite} (nan {s['nan']}, inf {s['inf']})"
-
-
 def render(path: str, state: dict, r: dict, top: int = 8) -> str:
     saved_bad = state["anomaly"].get("nonfinite_counts", {})
     lines = [
@@ -66,17 +59,17 @@ def render(path: str, state: dict, r: dict, top: int = 8) -> str:
         lines.append(f"origin:    the {r['origin']} pass")
     lines.append(f"forward:   first non-finite module output: {r['first_forward_module'] or 'none'}")
     if r["first_forward_module"]:
-        lines.append(f"           its inputs  {_range(r['first_forward_module_inputs'])}")
-        lines.append(f"           its output  {_range(r['first_forward_module_output'])}")
+        lines.append(f"           its inputs  {format_range(r['first_forward_module_inputs'], counts=True)}")
+        lines.append(f"           its output  {format_range(r['first_forward_module_output'], counts=True)}")
         if r["attention_energies"]:
             lines.append(
                 f"           attention energies (x{r['attention_energies']['scale']:g}) "
-                f"{_range(r['attention_energies'])}"
+                f"{format_range(r['attention_energies'], counts=True)}"
             )
     if r["first_forward_op"]:
         lines.append(
             f"           first op producing {r['first_forward_op_kind']} from finite inputs: {r['first_forward_op']} "
-            f"in {r['first_forward_op_module'] or '(outside the model)'}, inputs {_range(r['first_forward_op_inputs'])}"
+            f"in {r['first_forward_op_module'] or '(outside the model)'}, inputs {format_range(r['first_forward_op_inputs'], counts=True)}"
         )
     if r["nonfinite_input_values"]:
         lines.append(f"           the input images hold {r['nonfinite_input_values']} non-finite values")

@@ -343,10 +343,12 @@ def replay(state: dict, device="cpu", overrides: dict | None = None) -> dict:
     }
 
 
-def _range(s: dict | None) -> str:
-    if not s or s.get("min") is None:
-        return "[no finite value]"
-    return f"[{s['min']:.4g}, {s['max']:.4g}]"
+def format_range(s: dict | None, counts: bool = False) -> str:
+    """A tensor's figures (`_stats`) as its finite range `[min, max]`, and with `counts` its NaN and Inf counts."""
+    if not s:
+        return "n/a" if counts else "[no finite value]"
+    finite = "[no finite value]" if s.get("min") is None else f"[{s['min']:.4g}, {s['max']:.4g}]"
+    return f"{finite} (nan {s['nan']}, inf {s['inf']})" if counts else finite
 
 
 def summarize(report: dict) -> str:
@@ -360,13 +362,13 @@ def summarize(report: dict) -> str:
     if report["first_forward_module"]:
         parts.append(
             f"first non-finite forward output in {report['first_forward_module']} "
-            f"(inputs in {_range(report['first_forward_module_inputs'])})"
+            f"(inputs in {format_range(report['first_forward_module_inputs'])})"
         )
     if report["first_forward_op"]:
         where = report["first_forward_op_module"] or "outside the model"
         parts.append(
             f"forward op {report['first_forward_op']} in {where} produced {report['first_forward_op_kind']} "
-            f"(inputs in {_range(report['first_forward_op_inputs'])})"
+            f"(inputs in {format_range(report['first_forward_op_inputs'])})"
         )
     elif report["nonfinite_input_values"]:
         parts.append(f"the input images hold {report['nonfinite_input_values']} non-finite values")
