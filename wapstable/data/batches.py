@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from wapstable.config import BucketBy
 from wapstable.data.sample import Sample
 from wapstable.data.vocab import Vocab
 from wapstable.errors import UserError
@@ -144,7 +145,7 @@ def filter_samples(samples: list[Sample], max_image_pixels: int, max_tokens: int
     return kept
 
 
-BUCKETS = ("size", "tokens")
+BUCKETS = tuple(b.value for b in BucketBy)  # the schema's choices, for callers that pass a plain string
 
 
 def check_bucket_by(bucket_by: str) -> None:

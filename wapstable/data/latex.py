@@ -10,13 +10,14 @@ Also home to DataError and the fail/skip policy shared by the data readers.
 
 import logging
 
+from wapstable.config import OnError
 from wapstable.data.sample import Sample
 from wapstable.data.vocab import Vocab
 from wapstable.errors import UserError
 
 log = logging.getLogger(__name__)
 
-ON_ERROR = ("fail", "skip")
+ON_ERROR = tuple(o.value for o in OnError)  # the schema's choices, for callers that pass a plain string
 
 
 class DataError(UserError):

@@ -213,20 +213,48 @@ THRESHOLD_KEY = {
 }
 
 
+def mode_options(
+    mode: str,
+    *,
+    max_norm: float = 1.0,
+    norm_type: float = 2.0,
+    value: float = 1.0,
+    factor: float = 0.01,
+    eps: float = 1e-3,
+    skip=(),
+    percentile: float = 10.0,
+    history: AutoClipHistory | None = None,
+) -> dict:
+    """The keyword options of `plan_clip`/`clip_gradients_` that clip mode `mode` takes, picked from all of them."""
+    if mode not in CLIP_MODES:
+        raise UserError(f"clip.mode={mode!r} is unknown; use one of {', '.join(CLIP_MODES)}")
+    if mode in ("norm", "inf"):
+        return {"max_norm": max_norm, "norm_type": mode_norm_type(mode, norm_type)}
+    if mode == "value":
+        return {"value": value}
+    if mode == "agc":
+        return {"factor": factor, "eps": eps, "skip": skip}
+    if mode == "autoclip":
+        return {"percentile": percentile, "history": history}
+    return {}
+
+
 def clip_options(cfg_clip, history: AutoClipHistory | None, skip=(), scale: float = 1.0) -> dict:
     """The keyword options of `clip_gradients_` for a `clip` config, its threshold multiplied by `scale`."""
-    mode = cfg_clip.mode
-    if mode in ("norm", "inf"):
-        opts = {"max_norm": cfg_clip.max_norm, "norm_type": mode_norm_type(mode, cfg_clip.norm_type)}
-    elif mode == "value":
-        opts = {"value": cfg_clip.value}
-    elif mode == "agc":
-        opts = {"factor": cfg_clip.factor, "eps": cfg_clip.eps, "skip": skip}
-    elif mode == "autoclip":
-        opts = {"percentile": cfg_clip.percentile, "history": history}
-    else:
-        return {}
-    opts[THRESHOLD_KEY[mode]] *= scale
+    c = cfg_clip
+    opts = mode_options(
+        c.mode,
+        max_norm=c.max_norm,
+        norm_type=c.norm_type,
+        value=c.value,
+        factor=c.factor,
+        eps=c.eps,
+        skip=skip,
+        percentile=c.percentile,
+        history=history,
+    )
+    if c.mode in THRESHOLD_KEY:
+        opts[THRESHOLD_KEY[c.mode]] *= scale
     return opts
 
 

@@ -21,9 +21,8 @@ class Fault:
             )
         self.name, self.first, self.steps = cfg_fault.name, cfg_fault.step, cfg_fault.steps
         self.scale, self.here = cfg_fault.scale, cfg_fault.rank == rank
-        self.preempt_signal = (
-            preempt_signal  # the cluster's preemption signal (submitit: SUBMITIT_PREEMPT_SIGNAL)
-        )
+        # The cluster's preemption signal, which fault=preempt sends (submitit: SUBMITIT_PREEMPT_SIGNAL).
+        self.preempt_signal = preempt_signal
 
     def active(self, step: int) -> bool:
         return self.name != "none" and self.here and self.first <= step < self.first + self.steps

@@ -77,7 +77,7 @@ class GradStats:
 
     @property
     def tensorboard(self):
-        """The SummaryWriter for histograms and images, or None when TensorBoard is not among the loggers."""
+        """The SummaryWriter for histograms, or None when TensorBoard is not among the loggers."""
         return self.loggers.tensorboard if self.loggers is not None else None
 
     def histogram_due(self, step: int) -> bool:

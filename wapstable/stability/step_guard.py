@@ -31,7 +31,7 @@ import torch
 
 from wapstable.checkpoint import rng_state, save_checkpoint
 from wapstable.errors import TrainingStopped
-from wapstable.stability.clipping import AutoClipHistory, mode_norm_type, plan_clip
+from wapstable.stability.clipping import AutoClipHistory, mode_norm_type, mode_options, plan_clip
 from wapstable.stability.guard import (
     SkipBudget,
     SpikeDetector,
@@ -128,14 +128,17 @@ class StepGuard:
         self.history = history if history is not None else AutoClipHistory()
         self.clip_mode = clip
         self.norm_type = mode_norm_type(clip, norm_type)
-        self.clip_options = {
-            "norm": {"max_norm": max_norm, "norm_type": self.norm_type},
-            "inf": {"max_norm": max_norm},
-            "value": {"value": value},
-            "agc": {"factor": factor, "eps": eps, "skip": skip},
-            "autoclip": {"percentile": percentile, "history": self.history},
-            "none": {},
-        }[clip]
+        self.clip_options = mode_options(
+            clip,
+            max_norm=max_norm,
+            norm_type=norm_type,
+            value=value,
+            factor=factor,
+            eps=eps,
+            skip=skip,
+            percentile=percentile,
+            history=self.history,
+        )
         self.skip_nonfinite, self.spikes = skip_nonfinite, spikes
         self.budget = SkipBudget(max_consecutive_skips, max_total_skips)
         self.raise_on_exhausted = raise_on_exhausted

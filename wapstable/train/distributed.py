@@ -15,6 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from wapstable.device import resolve_device
 from wapstable.errors import TrainingStopped, UserError
 
 log = logging.getLogger(__name__)
@@ -194,11 +195,9 @@ def setup(ddp: bool, device_name: str = "auto") -> Dist:
             "trainer.ddp=true needs torchrun: `torchrun --nproc_per_node=N train.py trainer.ddp=true "
             "hydra.run.dir=outputs/NAME`"
         )
-    if device_name == "cuda" and not torch.cuda.is_available():
-        raise UserError("trainer.device=cuda but no CUDA device is available; use trainer.device=cpu or auto")
+    use_cuda = resolve_device(device_name).type == "cuda"  # each rank then takes its own GPU, cuda:LOCAL_RANK
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    use_cuda = torch.cuda.is_available() and device_name != "cpu"
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
