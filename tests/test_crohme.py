@@ -3,10 +3,18 @@ import logging
 import numpy as np
 import pytest
 
-from wapstable.data.crohme import load_crohme_split, parse_trace, rasterize_traces, read_inkml
-from wapstable.data.latex import DataError, check_vocab, normalize_crohme, tokenize_latex
+from wapstable.data.crohme import Raster, load_crohme_split, parse_trace, rasterize_traces, read_inkml
+from wapstable.data.latex import (
+    CROHME_2014_SYMBOLS,
+    DataError,
+    check_vocab,
+    crohme_vocab,
+    normalize_crohme,
+    tokenize_latex,
+)
 from wapstable.data.sample import Sample
 from wapstable.data.vocab import Vocab
+from wapstable.errors import UserError
 
 # ---------------------------------------------------------------------------------------------------------------
 # tokenising and normalising
@@ -73,6 +81,19 @@ def norm(s: str) -> str:
         (r"$f^{'}(x)$", "f ^ { ' } ( x )"),
         (r"$\log_2 8 = 3$", "\\log _ { 2 } 8 = 3"),
         (r"$$ 2\times3 $$", "2 \\times 3"),
+        # repairs of what the published truths get wrong, as a person reading the ink would
+        (r"$M\ltN$", "M < N"),  # a command glued to the next letter (a training truth)
+        (r"$\sinx$", "\\sin x"),
+        (r"$ \lim \limits _ {y \rightarrow x}} f (y)$", "\\lim _ { y \\rightarrow x } f ( y )"),  # doubled }
+        (r"$ \sqrt {648 + 648} ABOVE {4} + 8 $", "\\sqrt [ 4 ] { 6 4 8 + 6 4 8 } + 8"),  # the 4th root
+        (r"$ \sqrt {\sqrt {x} ABOVE {n}} ABOVE {m} $", "\\sqrt [ m ] { \\sqrt [ n ] { x } }"),
+        (
+            r"$ \frac {\sqrt {x}} {2} - \sqrt {3} ABOVE {\sqrt} BELOW {2 \sqrt {x}} $",
+            "\\frac { \\sqrt { x } } { 2 } - \\frac { \\sqrt { 3 } } { 2 \\sqrt { x } }",
+        ),
+        (r"$ | x \parallel y | = | x y | $", "| x | | y | = | x y |"),
+        (r"$ 0 \leq x \leq 2 \Pi $", "0 \\leq x \\leq 2 \\pi"),
+        (r"$ABOVE$", "A B O V E"),  # the word only means a layout before a group
     ],
 )
 def test_normalize_crohme(truth, expected):
@@ -85,6 +106,8 @@ def test_normalize_crohme(truth, expected):
         ("x^", "\\^ without an argument"),
         ("{x", "unclosed"),
         ("x}", "unmatched"),
+        ("}x", "unmatched"),
+        (r"x ABOVE {2}", "not a square root"),
         (r"\frac{1}", "frac without"),
     ],
 )
@@ -145,7 +168,7 @@ def test_parse_trace():
 
 
 def test_read_inkml(tmp_path):
-    s = read_inkml(write(tmp_path / "expr_001.inkml"), height=48, line_width=2)
+    s = read_inkml(write(tmp_path / "expr_001.inkml"), Raster(48, 2))
     assert s.id == "expr_001"
     assert s.tokens == ["x", "^", "{", "2", "}"]  # the expression's truth, not the traceGroup's "x"
     assert s.image.dtype == np.uint8 and s.image.ndim == 2
@@ -159,7 +182,7 @@ def test_read_inkml(tmp_path):
 
 def test_read_inkml_without_namespace(tmp_path):
     text = '<ink><annotation type="truth">$a$</annotation><trace>0 0, 5 9</trace></ink>'
-    s = read_inkml(write(tmp_path / "plain.inkml", text=text), 32, 1)
+    s = read_inkml(write(tmp_path / "plain.inkml", text=text), Raster(32, 1))
     assert s.tokens == ["a"] and s.image.any()
 
 
@@ -216,7 +239,7 @@ def test_rasterize_degenerate_ink():
 def test_bad_inkml_names_the_file(tmp_path, name, kwargs, why):
     path = write(tmp_path / name, **kwargs)
     with pytest.raises(DataError, match=why) as e:
-        read_inkml(path, 32, 1)
+        read_inkml(path, Raster(32, 1))
     assert name in str(e.value)
 
 
@@ -230,14 +253,15 @@ def test_load_split_fail_and_skip(tmp_path, caplog):
     (tmp_path / "notes.txt").write_text("not inkml")
 
     with pytest.raises(DataError, match="bad_truth.inkml"):  # sorted: bad_truth comes first
-        load_crohme_split(tmp_path, 32, 1, "fail")
+        load_crohme_split(tmp_path, Raster(32, 1), "fail")
 
     with caplog.at_level(logging.WARNING):
-        samples, errors = load_crohme_split(tmp_path, 32, 1, "skip")
+        samples, errors, total = load_crohme_split(tmp_path, Raster(32, 1), "skip")
     assert sorted(s.id for s in samples) == ["good0", "good1", "good2", "good3"]
     assert next(s for s in samples if s.id == "good3").tokens == ["\\frac", "{", "1", "}", "{", "2", "}"]
-    assert len(errors) == 2
-    assert any("bad_xml.inkml" in m for m in errors) and any("bad_truth.inkml" in m for m in errors)
+    assert total == 6 and len(errors) == 2
+    assert dict(errors).keys() == {"malformed XML", "no truth"}
+    assert any("bad_xml.inkml" in m for _, m in errors) and any("bad_truth.inkml" in m for _, m in errors)
     assert sum("bad_xml.inkml" in r.getMessage() for r in caplog.records) == 1
     assert all(s.image.shape[0] == 32 for s in samples)
 
@@ -247,17 +271,170 @@ def test_load_split_duplicate_ids(tmp_path):
     (tmp_path / "b").mkdir()
     write(tmp_path / "a" / "same.inkml")
     write(tmp_path / "b" / "same.inkml")
-    samples, errors = load_crohme_split(tmp_path, 32, 1, "skip")
-    assert len(samples) == 1 and len(errors) == 1 and "same" in errors[0]
+    samples, errors, _ = load_crohme_split(tmp_path, Raster(32, 1), "skip")
+    assert len(samples) == 1 and errors[0][0] == "duplicate id" and "same" in errors[0][1]
 
 
 def test_load_split_missing_or_empty_folder(tmp_path):
     with pytest.raises(DataError, match="does not exist.*data.root"):
-        load_crohme_split(tmp_path / "valid", 32, 1, "skip")
+        load_crohme_split(tmp_path / "valid", Raster(32, 1), "skip")
     (tmp_path / "valid").mkdir()
     (tmp_path / "valid" / "readme.txt").write_text("x")
     with pytest.raises(DataError, match="has no .inkml files.*data.root") as e:
-        load_crohme_split(tmp_path / "valid", 32, 1, "skip")
+        load_crohme_split(tmp_path / "valid", Raster(32, 1), "skip")
     assert "valid" in str(e.value)
     with pytest.raises(ValueError, match="on_error"):
-        load_crohme_split(tmp_path / "valid", 32, 1, "warn")
+        load_crohme_split(tmp_path / "valid", Raster(32, 1), "warn")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the CROHME 2014 dictionary, the published layout, the held-out validation split, the cache
+
+
+def test_crohme_dictionary_is_wap_s_110_symbols():
+    assert len(CROHME_2014_SYMBOLS) == 110
+    vocab = crohme_vocab()
+    assert vocab.tokens[0] == "<eol>" and len(vocab) == 111
+    for token in ("\\sin", "\\lim", "\\ldots", "\\prime", "\\{", "\\}", "<", ">", "\\rightarrow", "!"):
+        assert token in vocab.index
+
+
+# One file per quirk seen across the six training sources and the two test sets.
+NS = 'xmlns="http://www.w3.org/2003/InkML"'
+QUIRKS = {
+    # name: (truth annotation, traces, the namespace attribute)
+    "ns_dollar_2d": (r"$x^2$", TRACES, NS),  # namespace, $-wrapped, x y points
+    "nons_plain_3d": (
+        r"\frac{a}{b}",
+        '<trace id="0">0 0 1, 10 0 2</trace><trace id="1">0 5 3, 5 9 4</trace>',
+        "",
+    ),
+    "lt_alias": (r"$a \lt b$", TRACES, NS),
+    "sin_cdots": (r"$\sin x + \cdots$", TRACES, NS),
+}
+
+
+def quirk_file(path, truth, traces, ns):
+    text = (
+        f'<?xml version="1.0" encoding="UTF-8"?>\n<ink {ns}><annotation type="truth">{truth}</annotation>{traces}'
+        '<traceGroup><annotation type="truth">Segmentation</annotation></traceGroup></ink>'
+    )
+    return write(path, text=text)
+
+
+def published_layout(root, train_labels=("x^2", "a+b", "\\frac{1}{2}", "\\sqrt{x}", "x_1", "y-1") * 3):
+    """A small CROHME_labeled_2016: TrainINKML/ with two sources (each label written in both), two test sets."""
+    for source in ("HAMEX", "KAIST"):
+        (root / "TrainINKML" / source).mkdir(parents=True)
+        for i, label in enumerate(train_labels):
+            write(root / "TrainINKML" / source / f"{source}_{i}.inkml", truth=f"${label}$")
+    for name, folder in (("2014", "TestEM2014GT"), ("2016", "TEST2016_INKML_GT")):
+        (root / folder).mkdir(parents=True)
+        for i, (key, (truth, traces, ns)) in enumerate(QUIRKS.items()):
+            quirk_file(root / folder / f"{name}_{key}.inkml", truth, traces, ns)
+    return root
+
+
+def crohme_cfg(root, cache, **over):
+    from omegaconf import OmegaConf
+
+    from conftest import compose_config
+
+    cfg = compose_config(["data=crohme", f"data.root={root}", f"data.cache_dir={cache}"]).data
+    for k, v in over.items():
+        OmegaConf.update(cfg, k, v, merge=False)
+    return cfg
+
+
+def test_quirks_of_each_source_read(tmp_path):
+    for key, (truth, traces, ns) in QUIRKS.items():
+        s = read_inkml(quirk_file(tmp_path / f"{key}.inkml", truth, traces, ns), Raster(32, 1))
+        assert s.image.any() and s.tokens
+    assert read_inkml(tmp_path / "lt_alias.inkml", Raster(32, 1)).tokens == ["a", "<", "b"]
+    assert read_inkml(tmp_path / "nons_plain_3d.inkml", Raster(32, 1)).tokens == "\\frac { a } { b }".split()
+    outside = quirk_file(tmp_path / "outside.inkml", r"$\Omega + 1$", TRACES, NS)
+    with pytest.raises(DataError, match="outside the CROHME 2014 dictionary.*Omega") as e:
+        read_inkml(outside, Raster(32, 1))
+    assert e.value.reason == "symbol outside the dictionary"
+
+
+def test_published_layout_splits_and_report(tmp_path):
+    from wapstable.data.batches import load_splits, test_sets
+
+    root = published_layout(tmp_path / "CROHME_labeled_2016")
+    write(root / "TestEM2014GT" / "broken.inkml", text="<ink>")  # counted in 2014's total, as wrong
+    write(root / "TrainINKML" / "KAIST" / "empty_trace.inkml", traces='<trace id="0"> </trace>')
+    quirk_file(root / "TrainINKML" / "KAIST" / "omega.inkml", r"$\Omega$", TRACES, NS)
+    cfg = crohme_cfg(root, tmp_path / "cache", valid_fraction=0.3)
+    splits = load_splits(cfg)
+
+    train = {" ".join(s.tokens) for s in splits["train"]}
+    valid = {" ".join(s.tokens) for s in splits["valid"]}
+    assert valid and train and not valid & train  # held out by expression: every copy of a label on one side
+    assert len(splits["train"]) + len(splits["valid"]) == 2 * 18
+    sets = test_sets(splits["test"])
+    assert sorted(sets) == ["2014", "2016"] and len(sets["2014"]) == len(sets["2016"]) == len(QUIRKS)
+    assert splits.report["test_sets"] == {"2014": len(QUIRKS) + 1, "2016": len(QUIRKS)}
+    assert splits.report["skipped"]["test 2014"] == {"malformed XML": 1}
+    assert splits.report["skipped"]["train"] == {"no ink": 1, "symbol outside the dictionary": 1}
+
+    # the split is a function of the labels alone: the same on a second reading, and stable as the fraction grows
+    again = load_splits(crohme_cfg(root, tmp_path / "other_cache", valid_fraction=0.3))
+    assert [s.id for s in again["valid"]] == [s.id for s in splits["valid"]]
+    more = load_splits(crohme_cfg(root, tmp_path / "cache", valid_fraction=0.6))
+    assert valid <= {" ".join(s.tokens) for s in more["valid"]}
+
+
+def test_published_layout_errors(tmp_path):
+    from wapstable.data.batches import load_splits
+
+    root = published_layout(tmp_path / "c")
+    write(root / "TrainINKML" / "HAMEX" / "broken.inkml", text="<ink>")
+    with pytest.raises(DataError, match="broken.inkml.*data.on_error=skip"):
+        load_splits(crohme_cfg(root, tmp_path / "cache", on_error="fail"))
+    with pytest.raises(DataError, match="TestEM2099.*does not exist.*data.root"):
+        load_splits(crohme_cfg(root, tmp_path / "cache", test_sets={"2099": "TestEM2099"}))
+    with pytest.raises(UserError, match="valid_fraction"):
+        load_splits(crohme_cfg(root, tmp_path / "cache", valid_fraction=1.5))
+    with pytest.raises(UserError, match="data.valid is empty"):
+        load_splits(crohme_cfg(root, tmp_path / "cache", valid_fraction=0.0))
+
+
+def test_cache_is_used_and_keyed_by_files_and_settings(tmp_path, monkeypatch):
+    import wapstable.data.crohme as crohme
+
+    root = published_layout(tmp_path / "c")
+    cache = tmp_path / "cache"
+    first = crohme.read_folder(root / "TrainINKML", Raster(40, 2), cache)
+    calls = []
+    real = crohme.read_inkml
+    monkeypatch.setattr(crohme, "read_inkml", lambda *a: calls.append(a) or real(*a))
+    cached = crohme.read_folder(root / "TrainINKML", Raster(40, 2), cache)
+    assert calls == [] and [s.id for s in cached.samples] == [s.id for s in first.samples]
+    assert all(
+        (a.image == b.image).all() and a.tokens == b.tokens for a, b in zip(first.samples, cached.samples)
+    )
+    crohme.read_folder(root / "TrainINKML", Raster(40, 3), cache)  # another pen width: read again
+    assert len(calls) == first.total
+    write(root / "TrainINKML" / "HAMEX" / "new.inkml", truth="$z$")  # another file: read again
+    assert (
+        len(crohme.read_folder(root / "TrainINKML", Raster(40, 2), cache).samples) == len(first.samples) + 1
+    )
+    # a torn cache file is only a lost cache
+    for f in cache.rglob("*.npz"):
+        f.write_bytes(f.read_bytes()[:100])
+    assert (
+        len(crohme.read_folder(root / "TrainINKML", Raster(40, 2), cache).samples) == len(first.samples) + 1
+    )
+
+
+def test_symbol_scale_keeps_the_ink_s_scale():
+    small = [np.array([[0, 0], [0, 10]]), np.array([[5, 0], [5, 10]])]  # two strokes 10 units long
+    tall = [*small, np.array([[0, 30], [0, 40]]), np.array([[5, 30], [5, 40]])]  # the same, two lines of it
+    a = rasterize_traces(small, height=200, line_width=1, margin=4, symbol_size=20)
+    b = rasterize_traces(tall, height=200, line_width=1, margin=4, symbol_size=20)
+    assert a.shape[0] == 20 + 8 + 1 and b.shape[0] == 80 + 8 + 1  # the symbol 20 px in both
+    c = rasterize_traces(tall, height=40, line_width=1, margin=4, symbol_size=20)  # too tall: shrunk to fit
+    assert c.shape[0] == 40
+    fixed = rasterize_traces(small, height=64, line_width=1, margin=4)
+    assert fixed.shape[0] == 64

@@ -150,21 +150,62 @@ def crohme_root(tmp_path):
 
 
 def test_train_on_crohme_inkml(tmp_path, cache_dir):
+    """The layout a user has (train/valid/test folders of InkML), and the fail/skip policy."""
     root = crohme_root(tmp_path)
+    folders = ["data.train=train", "data.valid=valid", "data.test_sets=null", "data.test=test"]
     run = tmp_path / "run"
-    run_train(["data=crohme", f"data.root={root}", *SMALL], run, cache_dir)
+    run_train(["data=crohme", f"data.root={root}", *folders, *SMALL], run, cache_dir)
     metrics = json.loads((run / "metrics.json").read_text())
-    assert metrics["steps"] == 3 and "test_exprate" in metrics
+    assert metrics["steps"] == 3 and "test_exprate" in metrics and list(metrics["test_sets"]) == ["test"]
 
     write_inkml(root / "train" / "broken.inkml", text="<ink><trace>1 2, 3 4</trace>")
     run = tmp_path / "skip"
-    proc = run_train(["data=crohme", f"data.root={root}", "data.on_error=skip", *SMALL], run, cache_dir)
+    run_train(
+        ["data=crohme", f"data.root={root}", *folders, *SMALL], run, cache_dir
+    )  # skip: data=crohme's own
     log = (run / "train.log").read_text()
-    assert "broken.inkml" in log and "skipped 1 bad files" in log
+    assert "broken.inkml" in log and "skipped 1 x malformed XML" in log
+    report = json.loads((run / "data_report.json").read_text())
+    assert report["skipped"]["train"] == {"malformed XML": 1} and report["files"]["train"] == len(TRUTHS) + 1
     assert (run / "metrics.json").is_file()
 
-    proc = run_train(["data=crohme", f"data.root={root}", *SMALL], tmp_path / "fail", cache_dir, check=False)
+    fail = ["data=crohme", f"data.root={root}", *folders, "data.on_error=fail", *SMALL]
+    proc = run_train(fail, tmp_path / "fail", cache_dir, check=False)
     assert proc.returncode == 2 and "broken.inkml" in proc.stdout + proc.stderr
+    assert not (tmp_path / "fail" / "checkpoints").exists()
+
+
+def test_train_on_the_published_crohme_layout(tmp_path, cache_dir, tiny_run):
+    """data=crohme on CROHME_labeled_2016 as published: a held-out validation split, the 2014 and 2016 test sets
+    reported apart over all of their files, init_from a model of the rendered data, evaluate.py one row per set."""
+    from test_crohme import QUIRKS, published_layout
+
+    root = published_layout(tmp_path / "CROHME_labeled_2016")
+    write_inkml(root / "TestEM2014GT" / "broken.inkml", text="<ink>")
+    run = tmp_path / "run"
+    args = ["data=crohme", f"data.root={root}", "data.valid_fraction=0.3", *SMALL]
+    proc = run_train([*args, f"init_from={tiny_run / 'checkpoints' / 'best.pt'}"], run, cache_dir)
+    metrics = json.loads((run / "metrics.json").read_text())
+    sets = metrics["test_sets"]
+    assert list(sets) == ["2014", "2016"]
+    assert (sets["2014"]["total"], sets["2014"]["read"]) == (len(QUIRKS) + 1, len(QUIRKS))
+    assert (sets["2016"]["total"], sets["2016"]["read"]) == (len(QUIRKS), len(QUIRKS))
+    report = json.loads((run / "data_report.json").read_text())
+    assert report["skipped"]["test 2014"] == {"malformed XML": 1} and report["test_sets"]["2014"] == 5
+    log = (run / "train.log").read_text()
+    assert "init_from" in log and "tokens shared" in log and "test set 2014: ExpRate" in log
+    assert (run / "vocab.txt").read_text().count("\n") == 111  # the CROHME 2014 dictionary and <eol>
+
+    ckpt = run / "checkpoints" / "best.pt"
+    proc = script("evaluate.py", ckpt, "data=crohme", f"data.root={root}", "split=test", "decode.beam_size=1")
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.split()}
+    assert rows["2014"][1:3] == ["5", "4"] and rows["2016"][1:3] == ["4", "4"]
+    assert {"ExpRate", "<=1", "<=2", "<=3", "WER"} <= set(
+        rows["test"]
+    )  # the header: `test set total read ...`
+    result = json.loads((run / "checkpoints" / "eval-test.json").read_text())
+    assert result["sets"]["2014"]["exprate"] == pytest.approx(float(rows["2014"][3]), abs=0.01)
 
 
 def test_train_on_wap_pickles(tmp_path, cache_dir):

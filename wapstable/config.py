@@ -23,6 +23,7 @@ CONF_DIR = Path(__file__).parent / "conf"  # config.yaml and one folder per conf
 Watcher = StrEnum("Watcher", "vgg dense")
 DataSource = StrEnum("DataSource", "synthetic crohme wap_pkl")
 OnError = StrEnum("OnError", "fail skip")
+InkScale = StrEnum("InkScale", "height symbol")
 BucketBy = StrEnum("BucketBy", "size tokens")
 Schedule = StrEnum("Schedule", "constant cosine step")
 ClipMode = StrEnum("ClipMode", "none norm value inf agc autoclip")
@@ -80,13 +81,20 @@ class DataConfig:
     augment: bool = True
     seed: int = 0
     render_workers: int = 2
-    # real data (crohme: a folder of InkML files per split; wap_pkl: pickles + captions + dictionary)
+    # real data (crohme: folders of InkML files; wap_pkl: pickles + captions + dictionary)
     root: str | None = None
     train: str = "train"
-    valid: str = "valid"
+    valid: str | None = "valid"  # crohme: empty = held out from data.train by label (data.valid_fraction)
+    valid_fraction: float = 0.05
     test: str = "test"
+    # crohme: test set name -> folder, each evaluated and reported on its own; null = the one folder data.test
+    test_sets: dict[str, str] | None = None
     dictionary: str | None = None
-    height: int = 64  # rasterised InkML height in pixels
+    # InkML to pixels: scale=height draws every image `height` px high; scale=symbol keeps the ink's scale, a
+    # typical symbol (the median stroke) `symbol_size` px, images up to `height` px high
+    scale: InkScale = InkScale.height
+    height: int = 64
+    symbol_size: int = 24
     line_width: int = 2
     on_error: OnError = OnError.fail
     # batching as in WAP: sort, fill under a pixel budget; sort by image size (WAP) or by label length (tokens)
@@ -244,6 +252,9 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     seed: int = 0
     resume: str | None = None  # PATH to a checkpoint, or "auto" for the run directory's last.pt
+    # PATH to a checkpoint whose weights start this run (only the weights: a fresh optimizer, step 0); token rows
+    # are matched by name, so a model of the rendered data can start a CROHME run
+    init_from: str | None = None
     optimize_metric: str = "best_valid_exprate"
     run_dir: str = "${hydra:runtime.output_dir}"
 

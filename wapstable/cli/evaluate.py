@@ -2,12 +2,16 @@
 
     wapstable-evaluate outputs/.../checkpoints/best.pt       # in a checkout: python scripts/evaluate.py ...
     wapstable-evaluate CKPT decode.beam_size=10                       # WAP's final-evaluation beam
-    wapstable-evaluate CKPT data=crohme data.root=/data/crohme split=test data.test=2014
+    wapstable-evaluate CKPT data=crohme data.root=/data/CROHME_labeled_2016 split=test    # one row per test set
+    wapstable-evaluate CKPT data=crohme data.root=DIR data.test_sets='{"2014": TestEM2014GT}'
     wapstable-evaluate CKPT data=wap_pkl data.root=/data/wap --out results.json
 
 The model and its vocabulary come from the checkpoint; data, decode and trainer.device/threads come from the
-checkpoint's config with the command line's Hydra-style overrides on top (a group such as `data=crohme` replaces
-the checkpoint's whole data config). With no decode.beam_size given, the beam is the checkpoint's
+checkpoint's config with the command line's Hydra-style overrides on top (a group such as `data=wap_pkl` replaces
+the checkpoint's whole data config; naming the source the checkpoint was trained on, `data=crohme` for a CROHME
+model, keeps its settings, such as how ink becomes pixels). On a data set with named test sets (data=crohme),
+split=test prints one row per set, its ExpRate over all of the set's expressions (an unreadable one counts as
+wrong). With no decode.beam_size given, the beam is the checkpoint's
 decode.final_beam_size, so that the default reproduces the run's own test_exprate. The JSON goes next to the
 checkpoint as eval-<split>.json unless --out says otherwise. Exit code 2: a missing or bad checkpoint, override
 or data set, named in one sentence on stderr.
@@ -28,8 +32,8 @@ from wapstable.cli import run_script
 from wapstable.config import CONF_DIR, checkpoint_config, register_configs
 from wapstable.data.batches import SPLITS, check_labels, load_splits
 from wapstable.errors import UserError
-from wapstable.eval.evaluation import evaluate_samples, load_model
-from wapstable.eval.metrics import format_table
+from wapstable.eval.evaluation import combine_sets, evaluate_samples, load_model, score_test_sets
+from wapstable.eval.metrics import format_sets_table, format_table
 
 log = logging.getLogger("wapstable")
 # Only these parts of the config mean anything here: the model is the checkpoint's.
@@ -45,6 +49,8 @@ def compose(saved: dict, overrides: list[str]):
     keys = []
     for override in overrides:
         key = override.lstrip("+~").split("=", 1)[0]
+        if key == "data" and override.split("=", 1)[1] == str(saved.get("data", {}).get("name")):
+            continue  # the checkpoint's own data source: its settings stay (data.KEY=... still apply)
         if "=" not in override or not any(key == a or key.startswith(a + ".") for a in ALLOWED):
             raise UserError(
                 f"override {override!r} is not accepted; give data=..., data.KEY=..., decode.KEY=..., "
@@ -105,17 +111,26 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(threads)
 
     model = model.to(device)
-    samples = load_splits(d, which=(split,))[split]
-    samples = check_labels(samples, vocab, d.on_error)
+    splits = load_splits(d, which=(split,))
+    samples = check_labels(splits[split], vocab, d.on_error)
     if not samples:
         raise UserError(f"no {split} sample of data={d.name} is left to evaluate")
     log.info("evaluating %s on %d %s samples of data=%s, beam %d", ckpt, len(samples), split, d.name, beam)
     t0 = time.perf_counter()
-    result = evaluate_samples(
-        model, vocab, samples, beam, cfg.decode.max_len, d.pixel_budget, d.max_batch, device
-    )
+
+    def evaluate(group):
+        return evaluate_samples(
+            model, vocab, group, beam, cfg.decode.max_len, d.pixel_budget, d.max_batch, device
+        )
+
+    sets = splits.report["test_sets"] if split == "test" else {}
+    if sets:
+        scored = score_test_sets(evaluate, samples, sets)
+        result = {**combine_sets(scored), "sets": scored}
+    else:
+        result = evaluate(samples)
     seconds = time.perf_counter() - t0
-    print(format_table(result))
+    print(format_sets_table(scored) if sets else format_table(result))
     out = Path(args.out) if args.out else ckpt.parent / f"eval-{split}.json"
     record = {
         **result,

@@ -34,9 +34,30 @@ class Batch(NamedTuple):
         return Batch(*(t.to(device, non_blocking=True) for t in self[:4]), self.ids)
 
 
-def load_splits(cfg_data, which: Sequence[str] = SPLITS) -> dict[str, list[Sample]]:
+class Splits(dict):
+    """split name -> samples, and `report`: what a reader skipped and why, per folder ("skipped": {folder: {reason:
+    count}}), how many files each folder holds ("files"), and the size of each named test set ("test_sets": the
+    denominator of its ExpRate, so an unreadable expression counts as wrong). Test samples of named sets have ids
+    "SET/ID"."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.report = {"skipped": {}, "files": {}, "test_sets": {}, "skipped_files": {}}
+
+
+def load_splits(cfg_data, which: Sequence[str] = SPLITS) -> Splits:
     """The samples of the data source `data.name` by split; `which` splits to read (an evaluation needs one)."""
-    return SOURCES[cfg_data.name](cfg_data, which)
+    splits = SOURCES[cfg_data.name](cfg_data, which)
+    return splits if isinstance(splits, Splits) else Splits(splits)
+
+
+def test_sets(samples: Sequence[Sample]) -> dict[str, list[Sample]]:
+    """Test samples by named test set (the id's "SET/" prefix); samples without one form the set "test"."""
+    sets: dict[str, list[Sample]] = {}
+    for s in samples:
+        name = s.id.split("/", 1)[0] if "/" in s.id else "test"
+        sets.setdefault(name, []).append(s)
+    return sets
 
 
 def synthetic_splits(cfg_data, which: Sequence[str]) -> dict[str, list[Sample]]:
@@ -52,14 +73,21 @@ def synthetic_splits(cfg_data, which: Sequence[str]) -> dict[str, list[Sample]]:
     return {split: samples for split, samples in build_splits(cfg_data).items() if split in which}
 
 
-def read_splits(read_split, cfg_data, which: Sequence[str]) -> dict[str, list[Sample]]:
-    """A data set on disk under data.root: `read_split(cfg_data, root, part)` gives one split's (samples, errors)."""
+def data_root(cfg_data) -> Path:
+    """data.root as a folder that exists, or a UserError naming the key."""
     name = cfg_data.name
     if not cfg_data.root:
         raise UserError(f"data={name} needs data.root, the folder that holds the data set")
     root = Path(cfg_data.root).expanduser()
     if not root.is_dir():
         raise UserError(f"data.root={cfg_data.root} is not a folder; set data.root to the {name} data folder")
+    return root
+
+
+def read_splits(read_split, cfg_data, which: Sequence[str]) -> dict[str, list[Sample]]:
+    """A data set on disk under data.root: `read_split(cfg_data, root, part)` gives one split's (samples, errors)."""
+    name = cfg_data.name
+    root = data_root(cfg_data)
     splits, errors = {}, []
     for split in which:
         try:
@@ -79,10 +107,10 @@ def read_splits(read_split, cfg_data, which: Sequence[str]) -> dict[str, list[Sa
     return splits
 
 
-def read_crohme(cfg_data, root: Path, part: str):
-    from wapstable.data.crohme import load_crohme_split
+def crohme_splits(cfg_data, which: Sequence[str]) -> Splits:
+    from wapstable.data.crohme import crohme_splits
 
-    return load_crohme_split(root / part, cfg_data.height, cfg_data.line_width, cfg_data.on_error)
+    return crohme_splits(cfg_data, which)
 
 
 def read_wap_pkl(cfg_data, root: Path, part: str):
@@ -94,13 +122,18 @@ def read_wap_pkl(cfg_data, root: Path, part: str):
 # data.name -> its splits (the schema's DataSource Enum lists the same names): adding a source is one entry here.
 SOURCES = {
     "synthetic": synthetic_splits,
-    "crohme": partial(read_splits, read_crohme),
+    "crohme": crohme_splits,
     "wap_pkl": partial(read_splits, read_wap_pkl),
 }
 
 
 def load_vocab(cfg_data, splits: dict[str, list[Sample]]) -> Vocab:
-    """The dictionary file when the data set has one (WAP format), else every token of the data."""
+    """The dictionary file when the data set has one (WAP format), data=crohme's the CROHME 2014 dictionary, else
+    every token of the data."""
+    if not cfg_data.dictionary and cfg_data.name == "crohme":
+        from wapstable.data.latex import crohme_vocab
+
+        return crohme_vocab()
     if cfg_data.dictionary:
         path = Path(cfg_data.dictionary).expanduser()
         if not path.is_absolute() and cfg_data.root:

@@ -1,15 +1,36 @@
-"""CROHME InkML (online pen strokes with a LaTeX truth) rasterised to WAP-style images (data=crohme)."""
+"""CROHME InkML (online pen strokes with a LaTeX truth) rasterised to WAP-style images (data=crohme).
 
+The published layout is read as it is: one training folder (all of its sources, recursively), a validation split
+held out from it by expression (a hash of the normalised label, so no validation label occurs in training), and
+named test sets (CROHME 2014, 2016) evaluated and reported one by one. Each folder is read and rasterised once and
+cached under `data.cache_dir/crohme/`, keyed by its files (names, sizes, times) and the rendering settings.
+"""
+
+import hashlib
+import json
 import logging
 import math
+import os
+import tempfile
 import xml.etree.ElementTree as ET
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from PIL import Image, ImageDraw
 
-from wapstable.data.latex import DataError, check_on_error, normalize_crohme, on_data_error, tokenize_latex
+from wapstable.data.latex import (
+    CROHME_2014_SYMBOLS,
+    DataError,
+    check_on_error,
+    normalize_crohme,
+    on_data_error,
+    tokenize_latex,
+)
 from wapstable.data.sample import Sample
+from wapstable.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +57,21 @@ def parse_trace(text: str) -> np.ndarray:
 
 
 def rasterize_traces(
-    traces: list[np.ndarray], height: int, line_width: int, margin: int = 4, max_aspect: float = MAX_ASPECT
+    traces: list[np.ndarray],
+    height: int,
+    line_width: int,
+    margin: int = 4,
+    max_aspect: float = MAX_ASPECT,
+    symbol_size: float = 0.0,
 ) -> np.ndarray:
-    """Draw pen strokes as an (height, W) uint8 image, ink 255 on 0.
+    """Draw pen strokes as an (H, W) uint8 image, ink 255 on 0.
 
-    The ink is scaled to fill `height - 2*margin` rows with its aspect kept, except that flat ink (a lone minus)
-    is scaled as if as tall as its median stroke is long, centred vertically, and no image is wider than
-    `max_aspect * height`. Strokes are polylines `line_width` px wide with round ends; lone points are dots.
+    With `symbol_size` 0 the image is `height` rows: the ink is scaled to fill `height - 2*margin` rows with its
+    aspect kept, except that flat ink (a lone minus) is scaled as if as tall as its median stroke is long, centred
+    vertically. With `symbol_size` > 0 the scale is kept instead: the median stroke (about one symbol) is drawn
+    `symbol_size` px long and the image is as tall as the ink needs, up to `height` rows (taller ink is shrunk to
+    fit). No image is wider than `max_aspect * height`. Strokes are polylines `line_width` px wide with round ends;
+    lone points are dots.
     """
     box = height - 2 * margin
     if box < 1:
@@ -55,13 +84,18 @@ def rasterize_traces(
         raise ValueError("non-finite coordinates")
     lo = pts.min(0)
     ink_w, ink_h = pts.max(0) - lo
-    # Fit the height, but treat the ink as at least as tall as its typical stroke is long, so that flat ink
-    # (a lone minus, "= -") is drawn at symbol size instead of stretched out; and never exceed the width cap.
+    # Treat the ink as at least as tall as its typical stroke is long, so that flat ink (a lone minus, "= -") is
+    # drawn at symbol size instead of stretched out; and never exceed the width cap.
     stroke = float(np.median([np.ptp(t, axis=0).max() for t in traces]))
     max_w = max(max_aspect * height - 2 * margin, 1.0)
     extent = max(max(ink_h, stroke) / box, ink_w / max_w)
+    if symbol_size > 0 and stroke > 0:
+        extent = max(extent, stroke / symbol_size)  # the symbol's own size, unless the ink then does not fit
     scale = 1.0 / extent if extent > 0 else 1.0
     width = int(math.ceil(ink_w * scale)) + 2 * margin + 1
+    if symbol_size > 0:
+        height = min(height, int(math.ceil(max(ink_h, stroke) * scale)) + 2 * margin + 1)
+        box = height - 2 * margin
     y0 = margin + (box - ink_h * scale) / 2  # centre ink that ends up shorter than the box
 
     img = Image.new("L", (width, height), 0)
@@ -82,74 +116,258 @@ def rasterize_traces(
     return np.asarray(img, dtype=np.uint8)
 
 
-def read_inkml(path: str | Path, height: int, line_width: int) -> Sample:
-    """One InkML file as a Sample: id = file stem, image = all traces rasterised, tokens = normalised truth.
+class Raster(NamedTuple):
+    """How strokes become pixels (data.scale, data.height, data.symbol_size, data.line_width)."""
 
-    Raises DataError naming the file for malformed XML, a missing or empty truth, or no drawable ink.
-    """
-    path = Path(path)
-    try:
-        root = ET.parse(path).getroot()
-    except (ET.ParseError, OSError) as e:
-        raise DataError(f"{path}: not readable InkML ({e})") from None
+    height: int = 64  # scale=height: every image this tall; scale=symbol: the tallest image
+    line_width: int = 2
+    symbol_size: float = 0.0  # > 0: keep the scale, a typical symbol this many px (scale=symbol)
+
+    @classmethod
+    def of(cls, cfg_data) -> "Raster":
+        symbol = float(cfg_data.symbol_size) if str(cfg_data.scale) == "symbol" else 0.0
+        return cls(int(cfg_data.height), int(cfg_data.line_width), symbol)
+
+
+def read_truth(path: Path, root) -> list[str]:
+    """The expression's normalised truth tokens, checked against the CROHME 2014 dictionary."""
     # Only the expression's own truth: traceGroups carry per-symbol truth annotations too.
     truth = next(
         (a.text for a in root if _local(a.tag) == "annotation" and a.get("type") == "truth"),
         None,
     )
     if truth is None or not truth.strip().strip("$").strip():
-        raise DataError(f'{path}: no <annotation type="truth"> with the expression\'s LaTeX')
+        raise DataError(f'{path}: no <annotation type="truth"> with the expression\'s LaTeX', "no truth")
     try:
         tokens = normalize_crohme(tokenize_latex(truth))
     except DataError as e:
-        raise DataError(f"{path}: truth '{truth.strip()}' does not parse: {e}") from None
+        raise DataError(f"{path}: truth '{truth.strip()}' does not parse: {e}", e.reason) from None
     if not tokens:
-        raise DataError(f"{path}: truth '{truth.strip()}' has no tokens after normalisation")
+        raise DataError(f"{path}: truth '{truth.strip()}' has no tokens after normalisation", "no truth")
+    outside = sorted(set(tokens) - DICTIONARY)
+    if outside:
+        raise DataError(
+            f"{path}: truth '{truth.strip()}' has symbols outside the CROHME 2014 dictionary: {' '.join(outside)}",
+            "symbol outside the dictionary",
+        )
+    return tokens
 
+
+DICTIONARY = frozenset(CROHME_2014_SYMBOLS)
+
+
+def read_inkml(path: str | Path, raster: Raster) -> Sample:
+    """One InkML file as a Sample: id = file stem, image = all traces rasterised, tokens = normalised truth.
+
+    Raises DataError naming the file (and with a `reason`) for malformed XML, a missing, broken or out-of-dictionary
+    truth, or no drawable ink.
+    """
+    path = Path(path)
+    try:
+        root = ET.parse(path).getroot()
+    except (ET.ParseError, OSError) as e:
+        raise DataError(f"{path}: not readable InkML ({e})", "malformed XML") from None
+    tokens = read_truth(path, root)
     traces = []
     for el in root.iter():
         if _local(el.tag) == "trace":
             try:
                 traces.append(parse_trace(el.text or ""))
             except ValueError as e:
-                raise DataError(f"{path}: trace {el.get('id')!r} is malformed: {e}") from None
+                raise DataError(
+                    f"{path}: trace {el.get('id')!r} is malformed: {e}", "malformed trace"
+                ) from None
     if not any(len(t) for t in traces):
-        raise DataError(f"{path}: no <trace> with points")
+        raise DataError(f"{path}: no <trace> with points", "no ink")
     try:
-        image = rasterize_traces(traces, height, line_width)
+        image = rasterize_traces(traces, raster.height, raster.line_width, symbol_size=raster.symbol_size)
     except ValueError as e:
-        raise DataError(f"{path}: cannot rasterise the traces: {e}") from None
+        raise DataError(f"{path}: cannot rasterise the traces: {e}", "no ink") from None
     if not image.any():
-        raise DataError(f"{path}: the traces draw an empty image")
+        raise DataError(f"{path}: the traces draw an empty image", "no ink")
     return Sample(path.stem, image, tokens)
 
 
-def load_crohme_split(
-    folder: str | Path, height: int, line_width: int, on_error: str
-) -> tuple[list[Sample], list[str]]:
-    """Every `*.inkml` under `folder` (recursively, sorted) as Samples, and the messages of skipped files.
+class FolderRead(NamedTuple):
+    """A folder of InkML: its samples, one (reason, message) per file that could not be used, and its file count."""
 
-    on_error="fail" raises DataError at the first bad file; "skip" logs a warning per file and drops it.
-    A missing folder, or one without InkML files, always raises.
-    """
-    check_on_error(on_error)
+    samples: list[Sample]
+    errors: list[tuple[str, str]]
+    total: int
+
+    def reasons(self) -> dict[str, int]:
+        return dict(Counter(reason for reason, _ in self.errors))
+
+
+CACHE_FORMAT = 1  # bump whenever the reader, the normaliser or the rasteriser changes what a file gives
+
+
+def _folder_key(folder: Path, files: list[Path], raster: Raster) -> str:
+    listing = [(str(f.relative_to(folder)), st.st_size, st.st_mtime_ns) for f in files for st in [f.stat()]]
+    blob = json.dumps([CACHE_FORMAT, raster._asdict(), listing])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _save_folder(path: Path, read: FolderRead) -> None:
+    shapes = np.array([s.image.shape for s in read.samples], dtype=np.int64).reshape(-1, 2)
+    pixels = (
+        np.concatenate([s.image.ravel() for s in read.samples]) if read.samples else np.zeros(0, np.uint8)
+    )
+    arrays = {
+        "ids": np.array([s.id for s in read.samples], dtype=str),
+        "tokens": np.array([" ".join(s.tokens) for s in read.samples], dtype=str),
+        "shapes": shapes,
+        "pixels": pixels,
+        "meta": np.array(json.dumps({"errors": read.errors, "total": read.total})),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _load_folder(path: Path) -> FolderRead:
+    with np.load(path, allow_pickle=False) as z:
+        meta = json.loads(str(z["meta"]))
+        shapes, pixels, ids, labels = z["shapes"], z["pixels"], z["ids"], z["tokens"]
+        ends = np.cumsum(shapes[:, 0] * shapes[:, 1])
+        if len(ids) != len(shapes) or len(labels) != len(shapes) or (len(ends) and ends[-1] != pixels.size):
+            raise ValueError("the arrays do not agree")
+        starts = ends - shapes[:, 0] * shapes[:, 1]
+        samples = [
+            Sample(str(i), pixels[a:b].reshape(h, w), str(t).split(" "))
+            for i, t, a, b, (h, w) in zip(ids, labels, starts, ends, shapes)
+        ]
+    return FolderRead(samples, [tuple(e) for e in meta["errors"]], int(meta["total"]))
+
+
+def read_folder(folder: str | Path, raster: Raster, cache_dir: str | Path | None = None) -> FolderRead:
+    """Every `*.inkml` under `folder` (recursively, sorted) read as Samples, with a progress bar; cached under
+    `cache_dir/crohme/` when given. A missing folder, or one without InkML files, raises DataError."""
     folder = Path(folder)
-    hint = "set data.root to the CROHME folder, and data.train/valid/test to its split folders"
+    hint = "set data.root to the CROHME folder, and data.train / data.test_sets to folders under it"
     if not folder.is_dir():
-        raise DataError(f"the CROHME split folder {folder} does not exist; {hint}")
+        raise DataError(f"the CROHME folder {folder} does not exist; {hint}")
     files = sorted(folder.rglob("*.inkml"))
     if not files:
-        raise DataError(f"the CROHME split folder {folder} has no .inkml files; {hint}")
+        raise DataError(f"the CROHME folder {folder} has no .inkml files; {hint}")
+    cache = None
+    if cache_dir:
+        key = _folder_key(folder, files, raster)
+        cache = Path(cache_dir).expanduser() / "crohme" / key / f"{folder.name}.npz"
+        if cache.is_file():
+            try:
+                read = _load_folder(cache)
+                log.info("loaded %d CROHME samples of %s from %s", len(read.samples), folder, cache)
+                return read
+            except Exception as e:  # a torn or foreign file is only a lost cache
+                log.warning(
+                    "CROHME cache %s is unreadable (%s: %s); reading %s again",
+                    cache,
+                    type(e).__name__,
+                    e,
+                    folder,
+                )
+    from tqdm import tqdm
+
     samples, errors, seen = [], [], {}
-    for f in files:
+    for f in tqdm(files, desc=f"reading {folder.name}", unit="file", mininterval=2, disable=len(files) < 200):
         try:
-            s = read_inkml(f, height, line_width)
+            s = read_inkml(f, raster)
         except DataError as e:
-            on_data_error(str(e), on_error, errors, log)
+            errors.append((e.reason, str(e)))
             continue
         if s.id in seen:  # ids key predictions and checkpoints, so they must be unique
-            on_data_error(f"{f}: id {s.id!r} already used by {seen[s.id]}", on_error, errors, log)
+            errors.append(("duplicate id", f"{f}: id {s.id!r} already used by {seen[s.id]}"))
             continue
         seen[s.id] = f
         samples.append(s)
-    return samples, errors
+    read = FolderRead(samples, errors, len(files))
+    if cache is not None:
+        _save_folder(cache, read)
+    return read
+
+
+def apply_on_error(read: FolderRead, on_error: str) -> None:
+    """data.on_error on a folder's bad files: the first one raises ("fail"), or each is logged ("skip")."""
+    check_on_error(on_error)
+    for reason, message in read.errors:
+        on_data_error(message, on_error, [], log, reason)
+
+
+def load_crohme_split(folder: str | Path, raster: Raster, on_error: str, cache_dir=None) -> FolderRead:
+    """A folder of InkML (read_folder) with the data.on_error policy applied to its bad files."""
+    check_on_error(on_error)
+    read = read_folder(folder, raster, cache_dir)
+    apply_on_error(read, on_error)
+    return read
+
+
+def held_out(tokens: Sequence[str], fraction: float) -> bool:
+    """Whether an expression belongs to the validation split: a hash of its normalised label, so every file of one
+    expression falls on the same side, the same way on every machine."""
+    digest = hashlib.sha256(" ".join(tokens).encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def crohme_splits(cfg_data, which: Sequence[str]):
+    """The splits of data=crohme under data.root (see the module docstring), with a report of what was skipped."""
+    from wapstable.data.batches import Splits, data_root
+
+    d = cfg_data
+    root = data_root(d)
+    raster = Raster.of(d)
+    check_on_error(d.on_error)
+    if not 0 <= d.valid_fraction < 1:
+        raise UserError(f"data.valid_fraction={d.valid_fraction} must be in [0, 1)")
+    if not d.valid and d.valid_fraction <= 0:
+        raise UserError(
+            "data.valid is empty and data.valid_fraction=0: give a validation folder or a fraction > 0"
+        )
+
+    def read(part: str, label: str) -> FolderRead:
+        r = load_crohme_split(root / part, raster, d.on_error, d.cache_dir)
+        splits.report["skipped"][label] = r.reasons()
+        splits.report["files"][label] = r.total
+        splits.report["skipped_files"][label] = [message for _, message in r.errors]
+        return r
+
+    splits = Splits()
+    if "train" in which or ("valid" in which and not d.valid):
+        train = read(d.train, "train").samples
+        if not d.valid:
+            valid = [s for s in train if held_out(s.tokens, d.valid_fraction)]
+            if "valid" in which:
+                splits["valid"] = valid
+            train = [s for s in train if not held_out(s.tokens, d.valid_fraction)]
+            log.info(
+                "validation: %d of %d training files (%d distinct expressions) held out by label",
+                len(valid),
+                len(valid) + len(train),
+                len({" ".join(s.tokens) for s in valid}),
+            )
+        if "train" in which:
+            splits["train"] = train
+    if "valid" in which and d.valid:
+        splits["valid"] = read(d.valid, "valid").samples
+    if "test" in which:
+        sets = dict(d.test_sets) if d.test_sets else {"test": d.test}
+        test = []
+        for name, part in sets.items():
+            r = read(part, f"test {name}")
+            splits.report["test_sets"][str(name)] = r.total
+            prefix = f"{name}/" if d.test_sets else ""
+            test += [s._replace(id=prefix + s.id) for s in r.samples]
+        splits["test"] = test
+    for split, samples in splits.items():
+        if not samples:
+            raise UserError(
+                f"the {split} split of data=crohme under {root} is empty; check data.root and data.{split}"
+            )
+    return splits

@@ -91,6 +91,39 @@ def evaluate_samples(
     return result
 
 
+def score_test_sets(evaluate: Callable[[list[Sample]], dict], samples: Sequence[Sample], sizes: dict) -> dict:
+    """Each named test set's metrics (`evaluate(samples)` of its samples), over all of its expressions.
+
+    `sizes` gives a set's expression count as published (its files); an expression that could not be read or
+    normalised counts as wrong, so ExpRate and the within-k figures are over `total`, as the papers report them;
+    `read` is how many were evaluated and `exprate_read` the ExpRate over those; WER is over the read ones.
+    """
+    from wapstable.data.batches import test_sets
+
+    out = {}
+    for name, group in test_sets(samples).items():
+        r = evaluate(group)
+        read = r["count"]
+        total = max(int(sizes.get(name, read)), read)
+        row = {"total": total, "read": read, "exprate_read": r["exprate"]}
+        for key in ("exprate", "within_1", "within_2", "within_3"):
+            row[key] = r[key] * read / max(total, 1)
+        out[name] = {**r, **row}
+    return out
+
+
+def combine_sets(sets: dict) -> dict:
+    """One row over several scored test sets (their expressions together)."""
+    total = sum(r["total"] for r in sets.values())
+    row = {"total": total, "read": sum(r["read"] for r in sets.values())}
+    for key in ("exprate", "within_1", "within_2", "within_3"):
+        row[key] = sum(r[key] * r["total"] for r in sets.values()) / max(total, 1)
+    edits = sum(r["wer"] * r.get("ref_tokens", 0) for r in sets.values())
+    tokens = sum(r.get("ref_tokens", 0) for r in sets.values())
+    row["wer"] = edits / max(tokens, 1)
+    return row
+
+
 # -----------------------------------------------------------------------------
 # image files
 

@@ -71,6 +71,7 @@ class ExpressionMetrics:
             **{f"within_{k}": 100.0 * v / n for k, v in self.within.items()},
             # total edits over total reference tokens, so long expressions weigh more (as WAP's compute-wer)
             "wer": 100.0 * self.edits / max(self.ref_tokens, 1),
+            "ref_tokens": self.ref_tokens,
             "by_length": {
                 name: {
                     "count": self.buckets[name][0],
@@ -80,6 +81,18 @@ class ExpressionMetrics:
                 if name in self.buckets
             },
         }
+
+
+def format_sets_table(sets: dict) -> str:
+    """One row per scored test set (eval.evaluation.score_test_sets): the CROHME table of the papers."""
+    head = f"{'test set':<10} {'total':>6} {'read':>6} {'ExpRate':>8} {'<=1':>7} {'<=2':>7} {'<=3':>7} {'WER':>7}"
+    lines = [head, "-" * len(head)]
+    for name, r in sets.items():
+        lines.append(
+            f"{name:<10} {r['total']:>6d} {r['read']:>6d} {r['exprate']:>8.2f} {r['within_1']:>7.2f} "
+            f"{r['within_2']:>7.2f} {r['within_3']:>7.2f} {r['wer']:>7.2f}"
+        )
+    return "\n".join(lines)
 
 
 def format_table(results: dict) -> str:

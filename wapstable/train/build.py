@@ -117,6 +117,13 @@ def build_data(cfg: DictConfig, resume_state: dict | None) -> tuple[dict, Vocab]
                 f"no {split} sample is left after filtering; raise data.max_image_pixels or data.max_tokens"
             )
         splits[split] = samples
+    for folder, reasons in splits.report["skipped"].items():
+        if reasons:
+            log.warning(
+                "%s: skipped %s (data.on_error=skip; the run's data_report.json lists them)",
+                folder,
+                ", ".join(f"{n} x {why}" for why, n in sorted(reasons.items())),
+            )
     log.info(
         "data: %s, %d train / %d valid / %d test samples, vocabulary of %d tokens",
         d.name,
@@ -181,3 +188,55 @@ def check_model_compatible(model: torch.nn.Module, state: dict, path: Path) -> N
                 f"checkpoint {path} holds a model of another size ({k}: {tuple(state[k].shape)} there, "
                 f"{tuple(v.shape)} here); resume with the model config it was trained with"
             )
+
+
+# The parameters with one row per token (the embedding has one more, the start token, last).
+VOCAB_ROWS = {"parser.embed.weight", "parser.out.weight", "parser.out.bias", "counter.weight", "counter.bias"}
+
+
+def init_from(model: torch.nn.Module, path: str | Path, vocab: Vocab) -> dict:
+    """Load the weights of checkpoint `path` into `model` (init_from=CKPT: weights only, no optimizer, step or
+    schedule), matching token rows by name when the vocabularies differ: the embedding, output and counting rows of
+    a token both vocabularies have are copied, a new token's rows keep their fresh initialisation.
+
+    Refuses (UserError) a checkpoint of another model: a parameter missing, or of another shape beyond the
+    vocabulary's rows. Returns what was loaded: {"tensors", "tokens_shared", "tokens_new"}.
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise UserError(f"init_from={path} does not exist; give a checkpoint written by train.py")
+    state = load_checkpoint(path)
+    if "model" not in state or "vocab" not in state:
+        raise UserError(
+            f"init_from={path} holds no model weights and vocabulary; give a checkpoint of train.py"
+        )
+    src_vocab = Vocab(list(state["vocab"]))
+    src_rows = {t: i for i, t in enumerate(src_vocab.tokens)}
+    pairs = [(i, src_rows[t]) for i, t in enumerate(vocab.tokens) if t in src_rows]
+    dst_idx = torch.tensor([i for i, _ in pairs], dtype=torch.long)
+    src_idx = torch.tensor([j for _, j in pairs], dtype=torch.long)
+    own, saved = model.state_dict(), state["model"]
+    missing = sorted(set(own) ^ set(saved))
+    if missing:
+        raise UserError(
+            f"init_from={path} holds another model (parameter {missing[0]} is in one but not the other); "
+            "start from a checkpoint of the same model config"
+        )
+    new = {}
+    for key, value in own.items():
+        src = saved[key]
+        if key in VOCAB_ROWS and src_vocab != vocab and src.shape[1:] == value.shape[1:]:
+            merged = value.clone()  # a new token keeps its fresh rows
+            merged[dst_idx] = src[src_idx].to(merged.dtype)
+            if key == "parser.embed.weight":  # the start token's row, after the vocabulary
+                merged[-1] = src[-1]
+            new[key] = merged
+        elif src.shape == value.shape:
+            new[key] = src
+        else:
+            raise UserError(
+                f"init_from={path} holds a model of another size ({key}: {tuple(src.shape)} there, "
+                f"{tuple(value.shape)} here); start from a checkpoint of the same model config"
+            )
+    model.load_state_dict(new)
+    return {"tensors": len(new), "tokens_shared": len(pairs), "tokens_new": len(vocab) - len(pairs)}

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from wapstable.checkpoint import load_checkpoint, save_checkpoint
 from wapstable.device import autocast
 from wapstable.eval.attention_maps import attention_pictures
-from wapstable.eval.evaluation import evaluate_samples
+from wapstable.eval.evaluation import combine_sets, evaluate_samples, score_test_sets
 from wapstable.model.loss import sequence_loss
 from wapstable.stability.guard import grad_figures
 from wapstable.stability.step_guard import StepResult
@@ -83,8 +83,9 @@ class RunEvents:
 
     # ---- evaluation ----
     @torch.no_grad()
-    def evaluate(self, split: str, beam_size: int | None = None) -> dict:
-        """Metrics (and teacher-forced loss) of a split, through the same code as scripts/evaluate.py."""
+    def evaluate(self, split: str, beam_size: int | None = None, samples=None) -> dict:
+        """Metrics (and teacher-forced loss) of a split (or of `samples` of it), through the same code as
+        scripts/evaluate.py."""
         cfg = self.cfg
         self.model.scale_energies(1.0)  # faults act on training steps only
 
@@ -96,7 +97,7 @@ class RunEvents:
         return evaluate_samples(
             self.model,
             self.vocab,
-            self.splits[split],
+            self.splits[split] if samples is None else samples,
             beam_size or cfg.decode.beam_size,
             cfg.decode.max_len,
             cfg.data.pixel_budget,
@@ -280,13 +281,37 @@ class RunEvents:
         best_path = self.run_dir / "checkpoints" / "best.pt"
         if best_path.is_file():
             self.model.load_state_dict(load_checkpoint(best_path)["model"])
-        test = self.evaluate("test", beam_size=self.cfg.decode.final_beam_size)
+        beam = self.cfg.decode.final_beam_size
+        sets = score_test_sets(
+            lambda samples: self.evaluate("test", beam_size=beam, samples=samples),
+            self.splits["test"],
+            getattr(self.splits, "report", {}).get("test_sets", {}),
+        )
+        test = combine_sets(sets) if len(sets) > 1 else next(iter(sets.values()))
         metrics = {
             **self.training_metrics(),
             "test_exprate": test["exprate"],
             "test_wer": test["wer"],
             "test_within_1": test["within_1"],
+            "test_sets": {
+                name: {
+                    k: r[k] for k in ("total", "read", "exprate", "within_1", "within_2", "within_3", "wer")
+                }
+                for name, r in sets.items()
+            },
         }
+        for name, r in sets.items():
+            log.info(
+                "test set %s: ExpRate %.2f%% of %d expressions (%d read), <=1 %.2f%%, <=2 %.2f%%, <=3 %.2f%%, WER %.2f%%",
+                name,
+                r["exprate"],
+                r["total"],
+                r["read"],
+                r["within_1"],
+                r["within_2"],
+                r["within_3"],
+                r["wer"],
+            )
         log.info(
             "done: %d steps in %.0f s; best valid ExpRate %.2f%% (step %d); test ExpRate %.2f%%; %d skipped steps",
             self.step,

@@ -28,10 +28,11 @@ from wapstable.train.build import (
     build_checked_model,
     build_data,
     build_stream,
+    init_from,
     load_resume,
     validate_config,
 )
-from wapstable.train.events import RunEvents
+from wapstable.train.events import RunEvents, write_json
 from wapstable.train.loggers import Loggers
 from wapstable.train.optim import build_optimizer, build_scheduler
 from wapstable.train.runlock import run_lock
@@ -77,6 +78,15 @@ class Trainer(TrainingStep, RunEvents, TrainingState):
         self.model = build_checked_model(
             cfg, len(self.vocab), self.device, self.resume_state, self.resume_path
         )
+        if cfg.init_from and self.resume_state is None:  # a resumed run has its own weights
+            loaded = init_from(self.model, cfg.init_from, self.vocab)
+            log.info(
+                "init_from %s: %d tensors, %d tokens shared, %d new",
+                cfg.init_from,
+                loaded["tensors"],
+                loaded["tokens_shared"],
+                loaded["tokens_new"],
+            )
         self.ddp_model = self.dist.wrap(self.model)
         self.optimizer = build_optimizer(cfg.optim, self.model.parameters())
         self.scheduler = build_scheduler(cfg.optim, self.optimizer, cfg.trainer.max_steps, self.time_done)
@@ -165,6 +175,12 @@ class Trainer(TrainingStep, RunEvents, TrainingState):
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.vocab.save(self.run_dir / "vocab.txt")
+            report = self.splits.report
+            if any(report.values()):  # a data set read from files: what was used, what was skipped and why
+                write_json(
+                    self.run_dir / "data_report.json",
+                    {**report, "samples": {k: len(v) for k, v in self.splits.items()}},
+                )
         self.open_loggers()
         log.info(
             "model %s: %.2fM parameters; optimizer %s lr %g; clip %s; device %s; precision %s; %d threads",
