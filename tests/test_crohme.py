@@ -330,15 +330,14 @@ def published_layout(root, train_labels=("x^2", "a+b", "\\frac{1}{2}", "\\sqrt{x
             write(root / "TrainINKML" / source / f"{source}_{i}.inkml", truth=f"${label}$")
     for name, folder in (("2014", "TestEM2014GT"), ("2016", "TEST2016_INKML_GT")):
         (root / folder).mkdir(parents=True)
-        for i, (key, (truth, traces, ns)) in enumerate(QUIRKS.items()):
+        for key, (truth, traces, ns) in QUIRKS.items():
             quirk_file(root / folder / f"{name}_{key}.inkml", truth, traces, ns)
     return root
 
 
 def crohme_cfg(root, cache, **over):
-    from omegaconf import OmegaConf
-
     from conftest import compose_config
+    from omegaconf import OmegaConf
 
     cfg = compose_config(["data=crohme", f"data.root={root}", f"data.cache_dir={cache}"]).data
     for k, v in over.items():
