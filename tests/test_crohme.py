@@ -437,3 +437,15 @@ def test_symbol_scale_keeps_the_ink_s_scale():
     assert c.shape[0] == 40
     fixed = rasterize_traces(small, height=64, line_width=1, margin=4)
     assert fixed.shape[0] == 64
+
+
+def test_render_draws_inkml_as_training_does(tmp_path, capsys):
+    from PIL import Image
+
+    from wapstable.cli import render
+
+    path = write(tmp_path / "expr.inkml", truth=r"$x^2$")
+    render.main([str(path), str(tmp_path / "out.png"), "--symbol-size", "20", "--height", "100"])
+    png = 255 - np.asarray(Image.open(tmp_path / "out.png"))  # dark ink on white, as a scan
+    assert (png == read_inkml(path, Raster(100, 2, 20.0)).image).all()
+    assert capsys.readouterr().out.split("\t")[1] == "x ^ { 2 }"

@@ -62,3 +62,29 @@ def test_another_model_is_refused(tmp_path):
     save_checkpoint({"step": 3}, tmp_path / "c.pt")
     with pytest.raises(UserError, match="no model weights"):
         init_from(model_of(vocab), tmp_path / "c.pt", vocab)
+
+
+def test_pretraining_then_crohme_in_one_command(tmp_path, cache_dir):
+    """pretrain.steps: the same model first trains on the rendered data in RUN/pretrain, then the run starts from
+    its best checkpoint; run again (resume=auto) the finished pretraining is not repeated."""
+    import json
+
+    from conftest import run_train
+    from test_crohme import published_layout
+
+    root = published_layout(tmp_path / "CROHME_labeled_2016")
+    run = tmp_path / "run"
+    args = ["data=crohme", f"data.root={root}", "data.height=32", "pretrain.steps=4", "pretrain.eval_every=2"]
+    run_train(args, run, cache_dir)
+    pre = json.loads((run / "pretrain" / "metrics.json").read_text())
+    assert pre["steps"] == 4 and [e["step"] for e in pre["evals"]] == [2, 4]
+    log = (run / "train.log").read_text()
+    assert f"init_from {run / 'pretrain' / 'checkpoints' / 'best.pt'}" in log
+    assert json.loads((run / "metrics.json").read_text())["steps"] == 3
+    before = (run / "pretrain" / "metrics.json").stat().st_mtime_ns
+    run_train([*args, "resume=auto", "trainer.max_steps=6"], run, cache_dir)
+    assert (run / "pretrain" / "metrics.json").stat().st_mtime_ns == before
+    assert json.loads((run / "metrics.json").read_text())["steps"] == 6
+
+    bad = run_train([*args, "pretrain.eval_every=9"], tmp_path / "bad", cache_dir, check=False)
+    assert bad.returncode == 2 and "pretrain.eval_every=9" in bad.stdout + bad.stderr

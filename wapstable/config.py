@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -184,6 +185,15 @@ class DecodeConfig:
 
 
 @dataclass
+class PretrainConfig:
+    # > 0: before the run, train the same model this many steps on the rendered data (data=synthetic's defaults,
+    # the run's optimizer) in RUN_DIR/pretrain, and start the run from its best checkpoint (as init_from=)
+    steps: int = 0
+    eval_every: int = 500
+    data: dict[str, Any] = field(default_factory=dict)  # data.KEY values on top of conf/data/synthetic.yaml
+
+
+@dataclass
 class TrainerConfig:
     max_steps: int = 3000
     # Wall-clock budget of the training loop in minutes (0 = none): training stops at max_steps or when the budget
@@ -249,6 +259,7 @@ class Config:
     stats: StatsConfig = field(default_factory=StatsConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     seed: int = 0
     resume: str | None = None  # PATH to a checkpoint, or "auto" for the run directory's last.pt

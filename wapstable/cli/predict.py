@@ -6,7 +6,7 @@
 Each image is brought to the training convention first: gray, ink bright on a dark background (`--invert auto`
 inverts an image whose background is bright, such as a scan or a rendering of dark ink on white), background
 removed, cropped to the ink plus a 4 px margin, and scaled to `--height` rows (default: data.height for a model
-trained on CROHME InkML; otherwise the image's own size, shrunk only if over data.max_image_pixels). A model reads
+trained on CROHME InkML at data.scale=height; otherwise the image's own size, shrunk only if over data.max_image_pixels). A model reads
 best at the scale it was trained on: for a synthetic-data model, type of its data.font_size (28 pt) at 72 dpi.
 `--attention out.png` draws, per image, the prepared image and one panel per decoded token with the attention
 the model paid while emitting it. Exit code 2: an unreadable checkpoint or image, named on stderr.
@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     max_len = args.max_len or cfg.decode.max_len
     if beam <= 0 or max_len <= 0:
         raise UserError("--beam and --max-len must be positive")
-    height = args.height or (cfg.data.height if cfg.data.name == "crohme" else None)
+    fixed = cfg.data.name == "crohme" and cfg.data.get("scale", "height") == "height"
+    height = args.height or (cfg.data.height if fixed else None)
     if height is not None and height < 8:
         raise UserError(f"--height {height} is too small to hold an expression; use 32 or more")
     # Every image is read before any is decoded: a typo in the last name fails in a second, not after the rest.

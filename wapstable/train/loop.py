@@ -13,8 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from wapstable.config import CONF_DIR, DataConfig
 from wapstable.device import resolve_device
 from wapstable.errors import UserError
 from wapstable.stability.clipping import AutoClipHistory, clip_options, mode_norm_type
@@ -30,6 +31,7 @@ from wapstable.train.build import (
     build_stream,
     init_from,
     load_resume,
+    resolve_resume,
     validate_config,
 )
 from wapstable.train.events import RunEvents, write_json
@@ -214,6 +216,7 @@ def train(
     then say `pruned`. `parallel_jobs`: how many runs share this machine's cores (for `trainer.threads=auto`).
     """
     with run_lock(cfg.run_dir):  # one process per run directory (rank 0 under torchrun)
+        cfg = pretrain_first(cfg, parallel_jobs)
         trainer = Trainer(cfg, overrides, on_eval, parallel_jobs)
         finished = False
         try:
@@ -223,3 +226,64 @@ def train(
         finally:
             trainer.close_loggers(finished)  # a run the guard stopped, or one that crashed, is marked failed
             trainer.dist.cleanup()
+
+
+def pretrain_first(cfg: DictConfig, parallel_jobs: int = 1) -> DictConfig:
+    """pretrain.steps > 0: train the same model on the rendered data first (the default synthetic data with
+    pretrain.data's keys on top, the run's optimizer, `pretrain.steps` steps, in RUN_DIR/pretrain), and return `cfg` with init_from its best checkpoint.
+
+    Skipped when the run starts from weights of its own (init_from given, or a checkpoint to resume); a finished
+    pretraining (its metrics.json) is reused, an interrupted one resumes from its last.pt.
+    """
+    p = cfg.pretrain
+    run_dir = Path(cfg.run_dir)
+    if (
+        p.steps <= 0
+        or cfg.init_from
+        or resolve_resume(cfg, run_dir)
+        or (run_dir / "checkpoints" / "last.pt").exists()
+    ):
+        return cfg
+    if p.steps < p.eval_every or p.eval_every <= 0:
+        raise UserError(
+            f"pretrain.eval_every={p.eval_every} must be in 1..pretrain.steps={p.steps}: the best checkpoint is chosen "
+            "at its evaluations"
+        )
+    sub_dir = run_dir / "pretrain"
+    best = sub_dir / "checkpoints" / "best.pt"
+    if not (sub_dir / "metrics.json").is_file():
+        data = OmegaConf.merge(
+            OmegaConf.structured(DataConfig), OmegaConf.load(CONF_DIR / "data" / "synthetic.yaml")
+        )
+        data.cache_dir = cfg.data.cache_dir
+        sub = OmegaConf.merge(
+            cfg,
+            {
+                "data": data,
+                "run_dir": str(sub_dir),
+                "resume": "auto",
+                "init_from": None,
+                "pretrain": {"steps": 0},
+                "trainer": {
+                    "max_steps": p.steps,
+                    "max_minutes": 0,
+                    "eval_every": p.eval_every,
+                    "checkpoint_every": p.eval_every,
+                },
+                "decode": {"final_beam_size": 1},
+            },
+        )
+        sub.data = data
+        log.info("pretraining on the rendered data: %d steps in %s", p.steps, sub_dir)
+        metrics = train(sub, parallel_jobs=parallel_jobs)
+        if metrics.get(
+            "preempted"
+        ):  # a stop signal during pretraining: the caller exits as for the run itself
+            raise UserError(
+                f"stopped during pretraining; run the same command again to continue it from {sub_dir}"
+            )
+    if not best.is_file():
+        raise UserError(f"pretraining in {sub_dir} left no best.pt; delete {sub_dir} to pretrain again")
+    cfg = cfg.copy()
+    cfg.init_from = str(best)
+    return cfg
