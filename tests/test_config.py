@@ -46,10 +46,10 @@ def test_defaults():
     assert ada.schedule == "constant"
 
 
-@pytest.mark.parametrize("name", ["synthetic_long", "wap_crohme", "densewap_crohme"])
+@pytest.mark.parametrize("name", ["synthetic_long", "crohme", "wap_crohme", "densewap_crohme"])
 def test_experiment_presets(name):
     found = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
-    assert found == ["densewap_crohme", "synthetic_long", "wap_crohme"]
+    assert found == ["crohme", "densewap_crohme", "synthetic_long", "wap_crohme"]
     cfg = compose_config(
         [f"experiment={name}", "data.root=/data"] if "crohme" in name else [f"experiment={name}"]
     )
@@ -58,6 +58,15 @@ def test_experiment_presets(name):
         assert cfg.data.name == "synthetic" and cfg.data.difficulty == 2 and cfg.data.num_train == 10000
         assert cfg.trainer.max_minutes == 26 and cfg.model.name == "small"
         assert (cfg.data.num_valid, cfg.data.num_test) == (200, 200)
+        return
+    # every CROHME preset reads the published layout: TrainINKML, a held-out validation split, two test sets
+    assert cfg.data.train == "TrainINKML" and cfg.data.valid is None and cfg.data.valid_fraction > 0
+    assert dict(cfg.data.test_sets) == {"2014": "TestEM2014GT", "2016": "TEST2016_INKML_GT"}
+    if name == "crohme":
+        # the CPU recipe: the default model and optimizer, the ink's own scale, pretraining on the rendered data,
+        # bounded by the clock so that the whole command fits in 90 minutes on 2 cores
+        assert cfg.model.name == "small" and cfg.optim.name == "adam" and cfg.data.scale == "symbol"
+        assert cfg.pretrain.steps == 2500 and 0 < cfg.trainer.max_minutes <= 75
         return
     # the papers' recipes: Adadelta lr 1.0, batch 8, global-norm clip 100, beam 10, no wall-clock limit
     assert cfg.data.name == "crohme" and cfg.data.max_batch == 8 and cfg.trainer.max_minutes == 0
