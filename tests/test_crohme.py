@@ -358,7 +358,7 @@ def test_quirks_of_each_source_read(tmp_path):
 
 
 def test_published_layout_splits_and_report(tmp_path):
-    from wapstable.data.batches import load_splits, test_sets
+    from wapstable.data.batches import by_test_set, load_splits
 
     root = published_layout(tmp_path / "CROHME_labeled_2016")
     write(root / "TestEM2014GT" / "broken.inkml", text="<ink>")  # counted in 2014's total, as wrong
@@ -371,7 +371,7 @@ def test_published_layout_splits_and_report(tmp_path):
     valid = {" ".join(s.tokens) for s in splits["valid"]}
     assert valid and train and not valid & train  # held out by expression: every copy of a label on one side
     assert len(splits["train"]) + len(splits["valid"]) == 2 * 18
-    sets = test_sets(splits["test"])
+    sets = by_test_set(splits["test"])
     assert sorted(sets) == ["2014", "2016"] and len(sets["2014"]) == len(sets["2016"]) == len(QUIRKS)
     assert splits.report["test_sets"] == {"2014": len(QUIRKS) + 1, "2016": len(QUIRKS)}
     assert splits.report["skipped"]["test 2014"] == {"malformed XML": 1}

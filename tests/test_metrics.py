@@ -95,3 +95,44 @@ def test_format_table():
     assert "11-20" in text and "50.00" in text
     lines = text.splitlines()
     assert any(line.split() == ["count", "4"] for line in lines)
+
+
+def test_test_sets_scored_over_all_of_their_expressions():
+    """A test set's ExpRate is over its published size: an expression that could not be read counts as wrong."""
+    import numpy as np
+
+    from wapstable.data.sample import Sample
+    from wapstable.eval.evaluation import combine_sets, score_test_sets
+    from wapstable.eval.metrics import format_sets_table
+
+    img = np.zeros((2, 2), np.uint8)
+    refs = {
+        "2014/a": "x + 1",
+        "2014/b": "y",
+        "2014/c": "a b c d",
+        "2016/a": "x",
+        "2016/b": "\\frac { 1 } { 2 }",
+    }
+    preds = {"2014/a": "x + 1", "2014/b": "y", "2014/c": "a b", "2016/a": "z", "2016/b": "\\frac { 1 } { 2 }"}
+    samples = [Sample(k, img, v.split()) for k, v in refs.items()]
+
+    def evaluate(group):
+        m = ExpressionMetrics()
+        m.update([preds[s.id].split() for s in group], [s.tokens for s in group])
+        return m.compute()
+
+    sets = score_test_sets(evaluate, samples, {"2014": 4, "2016": 2})  # 2014: one file was unreadable
+    assert (sets["2014"]["total"], sets["2014"]["read"]) == (4, 3)
+    assert sets["2014"]["exprate"] == pytest.approx(50.0)  # 2 of 4, not 2 of 3
+    assert sets["2014"]["exprate_read"] == pytest.approx(200 / 3)
+    assert sets["2014"]["within_2"] == pytest.approx(75.0)  # "a b" is 2 edits from "a b c d"
+    assert sets["2014"]["within_1"] == pytest.approx(50.0)
+    assert sets["2014"]["wer"] == pytest.approx(100 * 2 / 8)  # over the read ones' tokens
+    assert sets["2016"]["exprate"] == pytest.approx(50.0) and sets["2016"]["wer"] == pytest.approx(
+        100 * 1 / 8
+    )
+    both = combine_sets(sets)
+    assert both["total"] == 6 and both["exprate"] == pytest.approx(50.0)
+    assert both["wer"] == pytest.approx(100 * 3 / 16)
+    rows = {line.split()[0]: line.split() for line in format_sets_table(sets).splitlines()[2:]}
+    assert rows["2014"] == ["2014", "4", "3", "50.00", "50.00", "75.00", "75.00", "25.00"]

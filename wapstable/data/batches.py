@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from wapstable.config import BucketBy
-from wapstable.data.sample import Sample
+from wapstable.data.sample import Sample, Splits, data_root
 from wapstable.data.vocab import Vocab
 from wapstable.errors import UserError
 
@@ -34,24 +34,13 @@ class Batch(NamedTuple):
         return Batch(*(t.to(device, non_blocking=True) for t in self[:4]), self.ids)
 
 
-class Splits(dict):
-    """split name -> samples, and `report`: what a reader skipped and why, per folder ("skipped": {folder: {reason:
-    count}}), how many files each folder holds ("files"), and the size of each named test set ("test_sets": the
-    denominator of its ExpRate, so an unreadable expression counts as wrong). Test samples of named sets have ids
-    "SET/ID"."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.report = {"skipped": {}, "files": {}, "test_sets": {}, "skipped_files": {}}
-
-
 def load_splits(cfg_data, which: Sequence[str] = SPLITS) -> Splits:
     """The samples of the data source `data.name` by split; `which` splits to read (an evaluation needs one)."""
     splits = SOURCES[cfg_data.name](cfg_data, which)
     return splits if isinstance(splits, Splits) else Splits(splits)
 
 
-def test_sets(samples: Sequence[Sample]) -> dict[str, list[Sample]]:
+def by_test_set(samples: Sequence[Sample]) -> dict[str, list[Sample]]:
     """Test samples by named test set (the id's "SET/" prefix); samples without one form the set "test"."""
     sets: dict[str, list[Sample]] = {}
     for s in samples:
@@ -71,17 +60,6 @@ def synthetic_splits(cfg_data, which: Sequence[str]) -> dict[str, list[Sample]]:
                 f"empty; set data.num_{split} to a positive number"
             )
     return {split: samples for split, samples in build_splits(cfg_data).items() if split in which}
-
-
-def data_root(cfg_data) -> Path:
-    """data.root as a folder that exists, or a UserError naming the key."""
-    name = cfg_data.name
-    if not cfg_data.root:
-        raise UserError(f"data={name} needs data.root, the folder that holds the data set")
-    root = Path(cfg_data.root).expanduser()
-    if not root.is_dir():
-        raise UserError(f"data.root={cfg_data.root} is not a folder; set data.root to the {name} data folder")
-    return root
 
 
 def read_splits(read_split, cfg_data, which: Sequence[str]) -> dict[str, list[Sample]]:

@@ -29,7 +29,7 @@ from wapstable.data.latex import (
     on_data_error,
     tokenize_latex,
 )
-from wapstable.data.sample import Sample
+from wapstable.data.sample import Sample, Splits, data_root
 from wapstable.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -318,8 +318,6 @@ def held_out(tokens: Sequence[str], fraction: float) -> bool:
 
 def crohme_splits(cfg_data, which: Sequence[str]):
     """The splits of data=crohme under data.root (see the module docstring), with a report of what was skipped."""
-    from wapstable.data.batches import Splits, data_root
-
     d = cfg_data
     root = data_root(d)
     raster = Raster.of(d)

@@ -1,8 +1,11 @@
-"""The one record every data source produces."""
+"""The one record every data source produces, and what a source returns: its splits, with a report."""
 
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+
+from wapstable.errors import UserError
 
 
 class Sample(NamedTuple):
@@ -11,3 +14,25 @@ class Sample(NamedTuple):
     id: str
     image: np.ndarray  # (H, W) uint8, 0 = background, 255 = ink
     tokens: list[str]  # CROHME-style LaTeX tokens, e.g. ["\\frac", "{", "a", "}", "{", "b", "}"]
+
+
+class Splits(dict):
+    """split name -> samples, and `report`: what a reader skipped and why, per folder ("skipped": {folder: {reason:
+    count}}), how many files each folder holds ("files"), and the size of each named test set ("test_sets": the
+    denominator of its ExpRate, so an unreadable expression counts as wrong). Test samples of named sets have ids
+    "SET/ID"."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.report = {"skipped": {}, "files": {}, "test_sets": {}, "skipped_files": {}}
+
+
+def data_root(cfg_data) -> Path:
+    """data.root as a folder that exists, or a UserError naming the key."""
+    name = cfg_data.name
+    if not cfg_data.root:
+        raise UserError(f"data={name} needs data.root, the folder that holds the data set")
+    root = Path(cfg_data.root).expanduser()
+    if not root.is_dir():
+        raise UserError(f"data.root={cfg_data.root} is not a folder; set data.root to the {name} data folder")
+    return root

@@ -98,10 +98,10 @@ def score_test_sets(evaluate: Callable[[list[Sample]], dict], samples: Sequence[
     normalised counts as wrong, so ExpRate and the within-k figures are over `total`, as the papers report them;
     `read` is how many were evaluated and `exprate_read` the ExpRate over those; WER is over the read ones.
     """
-    from wapstable.data.batches import test_sets
+    from wapstable.data.batches import by_test_set
 
     out = {}
-    for name, group in test_sets(samples).items():
+    for name, group in by_test_set(samples).items():
         r = evaluate(group)
         read = r["count"]
         total = max(int(sizes.get(name, read)), read)
