@@ -211,6 +211,18 @@ def test_train_on_the_published_crohme_layout(tmp_path, cache_dir, tiny_run):
     for name in ("2014", "2016"):
         assert result["sets"][name]["wer"] == pytest.approx(sets[name]["wer"]), name
 
+    one = script(
+        "evaluate.py",
+        ckpt,
+        "data=crohme",
+        f"data.root={root}",
+        "~data.test_sets.2016",
+        "--out",
+        tmp_path / "e.json",
+    )
+    assert one.returncode == 0, one.stderr
+    assert list(json.loads((tmp_path / "e.json").read_text())["sets"]) == ["2014"]
+
 
 def test_train_on_wap_pickles(tmp_path, cache_dir):
     root = tmp_path / "wap"

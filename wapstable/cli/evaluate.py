@@ -3,7 +3,8 @@
     wapstable-evaluate outputs/.../checkpoints/best.pt       # in a checkout: python scripts/evaluate.py ...
     wapstable-evaluate CKPT decode.beam_size=10                       # WAP's final-evaluation beam
     wapstable-evaluate CKPT data=crohme data.root=/data/CROHME_labeled_2016 split=test    # one row per test set
-    wapstable-evaluate CKPT data=crohme data.root=DIR data.test_sets='{"2014": TestEM2014GT}'
+    wapstable-evaluate CKPT data=crohme data.root=DIR split=test ~data.test_sets.2016      # the 2014 set only
+    wapstable-evaluate CKPT data=crohme data.root=DIR split=test +data.test_sets.2013=TestINKMLGT   # one more
     wapstable-evaluate CKPT data=wap_pkl data.root=/data/wap --out results.json
 
 The model and its vocabulary come from the checkpoint; data, decode and trainer.device/threads come from the
@@ -46,11 +47,14 @@ def compose(saved: dict, overrides: list[str]):
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
 
-    keys = []
+    keys, deleted = [], []
     for override in overrides:
         key = override.lstrip("+~").split("=", 1)[0]
         if key == "data" and override.split("=", 1)[1] == str(saved.get("data", {}).get("name")):
             continue  # the checkpoint's own data source: its settings stay (data.KEY=... still apply)
+        if override.startswith("~") and "." in key and key.startswith("data."):
+            deleted.append(key)  # `~data.test_sets.2016`: drop an entry
+            continue
         if "=" not in override or not any(key == a or key.startswith(a + ".") for a in ALLOWED):
             raise UserError(
                 f"override {override!r} is not accepted; give data=..., data.KEY=..., decode.KEY=..., "
@@ -67,6 +71,12 @@ def compose(saved: dict, overrides: list[str]):
         raise UserError(f"the overrides do not compose: {why}") from None
     try:
         cfg = checkpoint_config(saved, keys, composed)
+        for key in deleted:
+            parent, leaf = key.rsplit(".", 1)
+            node = OmegaConf.select(cfg, parent)
+            if node is None or leaf not in node:
+                raise UserError(f"~{key}: the checkpoint's config has no {key} to remove")
+            del node[leaf]
     except OmegaConfBaseException as e:
         raise UserError(
             f"the checkpoint's config does not fit this version: {str(e).splitlines()[0]}"
