@@ -79,6 +79,7 @@ def test_pretraining_then_crohme_in_one_command(tmp_path, cache_dir):
     pre = json.loads((run / "pretrain" / "metrics.json").read_text())
     assert pre["steps"] == 4 and [e["step"] for e in pre["evals"]] == [2, 4]
     log = (run / "train.log").read_text()
+    assert "data: synthetic, 48 train / 8 valid / 8 test samples" in log  # debug=tiny's pretrain.data
     assert f"init_from {run / 'pretrain' / 'checkpoints' / 'best.pt'}" in log
     assert json.loads((run / "metrics.json").read_text())["steps"] == 3
     before = (run / "pretrain" / "metrics.json").stat().st_mtime_ns

@@ -252,14 +252,12 @@ def pretrain_first(cfg: DictConfig, parallel_jobs: int = 1) -> DictConfig:
     sub_dir = run_dir / "pretrain"
     best = sub_dir / "checkpoints" / "best.pt"
     if not (sub_dir / "metrics.json").is_file():
-        data = OmegaConf.merge(
-            OmegaConf.structured(DataConfig), OmegaConf.load(CONF_DIR / "data" / "synthetic.yaml")
-        )
+        synthetic = OmegaConf.load(CONF_DIR / "data" / "synthetic.yaml")
+        data = OmegaConf.merge(OmegaConf.structured(DataConfig), synthetic, p.data)
         data.cache_dir = cfg.data.cache_dir
         sub = OmegaConf.merge(
             cfg,
             {
-                "data": data,
                 "run_dir": str(sub_dir),
                 "resume": "auto",
                 "init_from": None,
