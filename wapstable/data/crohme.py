@@ -294,18 +294,13 @@ def read_folder(folder: str | Path, raster: Raster, cache_dir: str | Path | None
     return read
 
 
-def apply_on_error(read: FolderRead, on_error: str) -> None:
-    """data.on_error on a folder's bad files: the first one raises ("fail"), or each is logged ("skip")."""
-    check_on_error(on_error)
-    for reason, message in read.errors:
-        on_data_error(message, on_error, [], log, reason)
-
-
 def load_crohme_split(folder: str | Path, raster: Raster, on_error: str, cache_dir=None) -> FolderRead:
-    """A folder of InkML (read_folder) with the data.on_error policy applied to its bad files."""
+    """A folder of InkML (read_folder) with data.on_error applied to its bad files: the first one raises
+    ("fail"), or each is logged ("skip")."""
     check_on_error(on_error)
     read = read_folder(folder, raster, cache_dir)
-    apply_on_error(read, on_error)
+    for reason, message in read.errors:
+        on_data_error(message, on_error, [], log, reason)
     return read
 
 
@@ -340,10 +335,12 @@ def crohme_splits(cfg_data, which: Sequence[str]):
     if "train" in which or ("valid" in which and not d.valid):
         train = read(d.train, "train").samples
         if not d.valid:
-            valid = [s for s in train if held_out(s.tokens, d.valid_fraction)]
+            sides = {False: [], True: []}
+            for s in train:
+                sides[held_out(s.tokens, d.valid_fraction)].append(s)
+            train, valid = sides[False], sides[True]
             if "valid" in which:
                 splits["valid"] = valid
-            train = [s for s in train if not held_out(s.tokens, d.valid_fraction)]
             log.info(
                 "validation: %d of %d training files (%d distinct expressions) held out by label",
                 len(valid),
