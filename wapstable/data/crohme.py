@@ -10,8 +10,6 @@ import hashlib
 import json
 import logging
 import math
-import os
-import tempfile
 import xml.etree.ElementTree as ET
 from collections import Counter
 from collections.abc import Sequence
@@ -21,6 +19,7 @@ from typing import NamedTuple
 import numpy as np
 from PIL import Image, ImageDraw
 
+from wapstable.data.cache import pack_images, unpack_images, write_npz
 from wapstable.data.latex import (
     CROHME_2014_SYMBOLS,
     DataError,
@@ -209,10 +208,7 @@ def _folder_key(folder: Path, files: list[Path], raster: Raster) -> str:
 
 
 def _save_folder(path: Path, read: FolderRead) -> None:
-    shapes = np.array([s.image.shape for s in read.samples], dtype=np.int64).reshape(-1, 2)
-    pixels = (
-        np.concatenate([s.image.ravel() for s in read.samples]) if read.samples else np.zeros(0, np.uint8)
-    )
+    shapes, pixels = pack_images([s.image for s in read.samples])
     arrays = {
         "ids": np.array([s.id for s in read.samples], dtype=str),
         "tokens": np.array([" ".join(s.tokens) for s in read.samples], dtype=str),
@@ -220,30 +216,16 @@ def _save_folder(path: Path, read: FolderRead) -> None:
         "pixels": pixels,
         "meta": np.array(json.dumps({"errors": read.errors, "total": read.total})),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_npz(path, arrays)
 
 
 def _load_folder(path: Path) -> FolderRead:
     with np.load(path, allow_pickle=False) as z:
         meta = json.loads(str(z["meta"]))
-        shapes, pixels, ids, labels = z["shapes"], z["pixels"], z["ids"], z["tokens"]
-        ends = np.cumsum(shapes[:, 0] * shapes[:, 1])
-        if len(ids) != len(shapes) or len(labels) != len(shapes) or (len(ends) and ends[-1] != pixels.size):
+        ids, labels, images = z["ids"], z["tokens"], unpack_images(z["shapes"], z["pixels"])
+        if not len(ids) == len(labels) == len(images):
             raise ValueError("the arrays do not agree")
-        starts = ends - shapes[:, 0] * shapes[:, 1]
-        samples = [
-            Sample(str(i), pixels[a:b].reshape(h, w), str(t).split(" "))
-            for i, t, a, b, (h, w) in zip(ids, labels, starts, ends, shapes)
-        ]
+        samples = [Sample(str(i), im, str(t).split(" ")) for i, t, im in zip(ids, labels, images)]
     return FolderRead(samples, [tuple(e) for e in meta["errors"]], int(meta["total"]))
 
 

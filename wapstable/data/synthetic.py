@@ -12,8 +12,6 @@ import json
 import logging
 import math
 import multiprocessing as mp
-import os
-import tempfile
 import time
 from contextlib import contextmanager
 from functools import lru_cache
@@ -30,6 +28,7 @@ from matplotlib.mathtext import MathTextParser
 from torchvision.transforms.v2 import InterpolationMode
 from torchvision.transforms.v2 import functional as TF
 
+from wapstable.data.cache import pack_images, unpack_images, write_npz
 from wapstable.data.sample import Sample
 
 log = logging.getLogger(__name__)
@@ -412,24 +411,9 @@ def _cache_params(cfg) -> dict:
 def _save(path: Path, splits: dict[str, list[Sample]], params: dict) -> None:
     arrays = {"params": np.array(json.dumps(params, sort_keys=True))}
     for split, samples in splits.items():
-        imgs = [s.image for s in samples]
-        arrays[f"{split}_shapes"] = np.array([im.shape for im in imgs], dtype=np.int64).reshape(-1, 2)
-        arrays[f"{split}_pixels"] = (
-            np.concatenate([im.ravel() for im in imgs]) if imgs else np.zeros(0, np.uint8)
-        )
+        arrays[f"{split}_shapes"], arrays[f"{split}_pixels"] = pack_images([s.image for s in samples])
         arrays[f"{split}_tokens"] = np.array([" ".join(s.tokens) for s in samples], dtype=str)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide a shared cache from other users
-        with os.fdopen(fd, "wb") as f:
-            np.savez_compressed(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_npz(path, arrays, compress=True)
 
 
 def _load(path: Path, params: dict) -> dict[str, list[Sample]]:
@@ -441,13 +425,10 @@ def _load(path: Path, params: dict) -> dict[str, list[Sample]]:
             shapes, pixels, labels = z[f"{split}_shapes"], z[f"{split}_pixels"], z[f"{split}_tokens"]
             if len(shapes) != params[f"num_{split}"] or len(labels) != len(shapes):
                 raise ValueError(f"{split} holds {len(shapes)} samples, expected {params[f'num_{split}']}")
-            ends = np.cumsum(shapes[:, 0] * shapes[:, 1])
-            if len(ends) and ends[-1] != pixels.size:
-                raise ValueError(f"{split} pixel count does not match the image shapes")
-            starts = ends - shapes[:, 0] * shapes[:, 1]
+            images = unpack_images(shapes, pixels)
             splits[split] = [
-                Sample(f"{split}-{i:06d}", pixels[a:b].reshape(h, w), str(label).split(" "))
-                for i, (a, b, (h, w), label) in enumerate(zip(starts, ends, shapes, labels))
+                Sample(f"{split}-{i:06d}", image, str(label).split(" "))
+                for i, (image, label) in enumerate(zip(images, labels))
             ]
     return splits
 
