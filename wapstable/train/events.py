@@ -285,7 +285,7 @@ class RunEvents:
         sets = score_test_sets(
             lambda samples: self.evaluate("test", beam_size=beam, samples=samples),
             self.splits["test"],
-            getattr(self.splits, "report", {}).get("test_sets", {}),
+            self.splits.report["test_sets"],
         )
         test = combine_sets(sets) if len(sets) > 1 else next(iter(sets.values()))
         metrics = {
