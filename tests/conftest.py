@@ -1,8 +1,14 @@
 """Shared helpers: composing the real config, and running the real `train.py` in a subprocess."""
 
+import atexit
+import json
 import os
+import select
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +18,9 @@ from wapstable.config import CONF_DIR, TINY_OVERRIDES, quote_group_options, regi
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
+# trainer.threads=auto counts the trainers running on the machine (wapstable/train/threads.py): the tests' runs
+# count only each other, so their thread counts do not depend on what else runs here.
+os.environ["WAPSTABLE_TRAINERS_DIR"] = tempfile.mkdtemp(prefix="wapstable-test-trainers-")
 
 # Tiny settings that keep a real run of train.py to seconds on a CPU: debug=tiny (conf/debug/tiny.yaml) and a few
 # steps.
@@ -41,6 +50,87 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
 
+class Zygote:
+    """The session's pre-imported Python (tests/zygote.py): `run` forks a child per command."""
+
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+        self.buffer = b""
+
+    def start(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(ROOT / "tests" / "zygote.py")],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                cwd=ROOT,
+            )
+            self.buffer = b""
+
+    def message(self, timeout: float | None) -> dict | None:
+        """The parent's next line, or None when `timeout` seconds pass first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.buffer:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise RuntimeError("the tests' zygote process died")
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, argv, cwd, env, timeout) -> subprocess.CompletedProcess:
+        self.start()
+        with tempfile.TemporaryDirectory(prefix="wapstable-run-") as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err)}
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+            pid = self.message(60)["pid"]
+            done = self.message(timeout)
+            if done is None:
+                os.kill(pid, signal.SIGKILL)
+                self.message(None)
+                raise subprocess.TimeoutExpired(
+                    [sys.executable, *argv], timeout, out.read_text(), err.read_text()
+                )
+            return subprocess.CompletedProcess(
+                [sys.executable, *argv],
+                done["rc"],
+                out.read_text(errors="replace"),
+                err.read_text(errors="replace"),
+            )
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+ZYGOTE = Zygote()
+atexit.register(ZYGOTE.stop)
+
+
+def python_run(cmd, cwd=ROOT, env=None, timeout=600) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True)` for `cmd = [sys.executable, SCRIPT or -m MODULE, ...]`,
+    run as a child of the pre-imported zygote (seconds faster per run; tests/zygote.py says how it stays a real
+    process). Anything else, or WAPSTABLE_TEST_FRESH=1, runs in a fresh interpreter."""
+    env = dict(os.environ if env is None else env)
+    fresh = (
+        cmd[0] != sys.executable
+        or cmd[1].startswith("-")
+        and cmd[1] != "-m"
+        or os.environ.get("WAPSTABLE_TEST_FRESH") == "1"
+        or any(env.get(k) != os.environ.get(k) for k in ("PYTHONPATH", "PYTHONHOME", "OMP_NUM_THREADS"))
+    )
+    if fresh:
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return ZYGOTE.run([str(a) for a in cmd[1:]], cwd, env, timeout)
+
+
 def run_train(args, run_dir, cache_dir, check=True, timeout=600, env_extra=None, tiny=True):
     """Run the real `python train.py` with tiny settings into `run_dir`; returns the CompletedProcess."""
     base = TINY if tiny else []
@@ -48,7 +138,7 @@ def run_train(args, run_dir, cache_dir, check=True, timeout=600, env_extra=None,
         base = [a for a in base if not a.startswith("optim=")]
     cmd = [sys.executable, str(ROOT / "train.py"), *base, f"hydra.run.dir={run_dir}", *args]
     env = {**os.environ, "WAPSTABLE_CACHE": str(cache_dir), "HYDRA_FULL_ERROR": "1", **(env_extra or {})}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = python_run(cmd, env=env, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
@@ -60,7 +150,7 @@ def run_multirun(args, sweep_dir, cache_dir, check=True, timeout=1200):
     """`python train.py -m` with tiny settings into `sweep_dir` (one process, every job in it)."""
     cmd = [sys.executable, str(ROOT / "train.py"), "-m", *TINY, f"hydra.sweep.dir={sweep_dir}", *args]
     env = {**os.environ, "WAPSTABLE_CACHE": str(cache_dir), "HYDRA_FULL_ERROR": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = python_run(cmd, env=env, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"train.py -m failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"

@@ -5,10 +5,9 @@ No timing is asserted here: speed claims live in the benchmark's own output, mea
 
 import json
 import os
-import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import ROOT, python_run
 
 CLIP_MODES = {"none", "norm", "value", "inf", "agc", "autoclip"}
 
@@ -20,12 +19,10 @@ def positive(x) -> bool:
 def test_bench_quick(tmp_path, cache_dir):
     out = tmp_path / "bench.json"
     env = {**os.environ, "WAPSTABLE_CACHE": str(cache_dir), "HYDRA_FULL_ERROR": "1"}
-    proc = subprocess.run(
+    proc = python_run(
         [sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--out", str(out)],
         cwd=tmp_path,
         env=env,
-        capture_output=True,
-        text=True,
         timeout=600,
     )
     assert proc.returncode == 0, f"bench.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"

@@ -1,10 +1,9 @@
 """Every option of every config group composes; the schema rejects typos and wrong types, naming the key."""
 
-import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, compose_config
+from conftest import ROOT, compose_config, python_run
 from hydra.errors import ConfigCompositionException
 
 GROUPS = {
@@ -100,9 +99,7 @@ def test_wrong_type_rejected():
 
 def test_cli_errors_name_the_problem():
     def run(*args):
-        return subprocess.run(
-            [sys.executable, "train.py", *args, "--cfg", "job"], cwd=ROOT, capture_output=True, text=True
-        )
+        return python_run([sys.executable, "train.py", *args, "--cfg", "job"])
 
     wrong_option = run("clip=foo")
     assert wrong_option.returncode != 0
@@ -114,7 +111,7 @@ def test_cli_errors_name_the_problem():
 
 
 def test_help_shows_config():
-    proc = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    proc = python_run([sys.executable, "train.py", "--help"])
     assert proc.returncode == 0
     assert "clip: agc, autoclip, inf, none, norm, value" in proc.stdout
     assert "max_steps" in proc.stdout

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, python_run
 
 from wapstable.checkpoint import load_checkpoint
 from wapstable.data.batches import BatchStream
@@ -266,13 +266,8 @@ def test_batches_are_split_across_ranks_without_overlap():
 
 def test_torchrun_without_a_run_directory_is_one_sentence_and_exit_2(tmp_path):
     env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}  # as torchrun sets them
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), "trainer.ddp=true"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = python_run(
+        [sys.executable, str(ROOT / "train.py"), "trainer.ddp=true"], cwd=tmp_path, env=env, timeout=300
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "error: under torchrun every rank must write to the same run directory" in proc.stderr

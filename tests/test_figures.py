@@ -2,11 +2,10 @@
 
 import csv
 import json
-import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, python_run
 from PIL import Image
 
 from wapstable.cli import figures
@@ -82,10 +81,8 @@ def test_exprate_curve_reads_the_evaluations_of_metrics_json(tmp_path):
 def test_bad_arguments_are_one_sentence_and_exit_2_before_anything_is_drawn(tmp_path):
     out = tmp_path / "docs"
     # A folder that is not a finished run: through the script, as a user calls it.
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "figures.py"), "--run", str(tmp_path), "--out", str(out)],
-        capture_output=True,
-        text=True,
+    proc = python_run(
+        [sys.executable, str(ROOT / "scripts" / "figures.py"), "--run", str(tmp_path), "--out", str(out)]
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("error: --run ") and "holds no metrics.json" in proc.stderr

@@ -1,12 +1,15 @@
 """trainer.threads=auto: each process gets its share of the cores it may run on, and the run's log says how many."""
 
 import os
+import subprocess
+import sys
 
 import pytest
+import torch
 from conftest import run_train
 
 from wapstable.errors import UserError
-from wapstable.train.threads import parallel_jobs, resolve_threads
+from wapstable.train.threads import CoreShare, parallel_jobs, resolve_threads
 
 
 @pytest.fixture
@@ -62,3 +65,75 @@ def test_a_run_logs_its_thread_count(tmp_path, cache_dir):
     proc = run_train(["trainer.threads=auto"], tmp_path / "run", cache_dir)
     expected = len(os.sched_getaffinity(0))
     assert f"; device cpu; precision 32; {expected} threads" in proc.stdout + proc.stderr
+
+
+HOLD = """
+import sys, time
+from wapstable.train.threads import CoreShare
+with CoreShare():
+    print("registered", flush=True)
+    time.sleep(float(sys.argv[1]))
+"""
+
+
+def hold_registration(tmp_path, seconds=60):
+    """Another trainer on this machine: a process holding a CoreShare registration in `tmp_path`."""
+    env = {**os.environ, "WAPSTABLE_TRAINERS_DIR": str(tmp_path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(seconds)], stdout=subprocess.PIPE, env=env, text=True
+    )
+    assert proc.stdout.readline().strip() == "registered"
+    return proc
+
+
+def test_auto_shares_the_cores_with_other_trainers_and_takes_them_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("WAPSTABLE_TRAINERS_DIR", str(tmp_path))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    before = torch.get_num_threads()
+    try:
+        with CoreShare(interval_s=0) as share:
+            assert share.update() == 4  # alone: every core
+            first = hold_registration(tmp_path)
+            second = hold_registration(tmp_path)
+            assert share.update() == 1  # three trainers on 4 cores: 1 thread each (rounded down)
+            first.kill()
+            first.wait()
+            assert share.update() == 2  # the killed one's file is unlocked: deleted, not counted
+            assert len(list(tmp_path.glob("*.trainer"))) == 2
+            second.kill()
+            second.wait()
+            assert share.update() == 4
+        assert not list(tmp_path.glob("*.trainer"))  # its own file goes when the run ends
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_trainers_on_other_cores_are_not_counted(tmp_path, monkeypatch):
+    monkeypatch.setenv("WAPSTABLE_TRAINERS_DIR", str(tmp_path))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    other = hold_registration(tmp_path)  # runs on this machine's real cores
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {1000, 1001})  # taskset to two other cores
+        with CoreShare(interval_s=0) as share:
+            assert share.update() == 2
+    finally:
+        other.kill()
+        other.wait()
+        torch.set_num_threads(before)
+
+
+def test_a_run_beside_another_trainer_starts_with_its_share(tmp_path, cache_dir):
+    other = hold_registration(tmp_path / "trainers")
+    try:
+        run = tmp_path / "run"
+        run_train([], run, cache_dir, env_extra={"WAPSTABLE_TRAINERS_DIR": str(tmp_path / "trainers")})
+    finally:
+        other.kill()
+        other.wait()
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert f"; {threads} threads" in (run / "train.log").read_text()
+    assert (
+        len(list((tmp_path / "trainers").glob("*.trainer"))) == 1
+    )  # the run removed its own, not the other's

@@ -8,6 +8,7 @@ cached as an .npz under `cache_dir/synthetic/<hash of the parameters>/`.
 """
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 import math
@@ -22,11 +23,8 @@ import matplotlib
 import numpy as np
 import torch
 import torch.nn.functional as F
-import torchvision
 from matplotlib.font_manager import FontProperties
 from matplotlib.mathtext import MathTextParser
-from torchvision.transforms.v2 import InterpolationMode
-from torchvision.transforms.v2 import functional as TF
 
 from wapstable.data.cache import pack_images, unpack_images, write_npz
 from wapstable.data.sample import Sample
@@ -281,6 +279,11 @@ def _smooth_field(rng: np.random.Generator, h: int, w: int, sigma: float) -> tor
 def _augment(img: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     # Every parameter comes from `rng` rather than torch's global generator, so an image depends only on its
     # own seed: no fork_rng, no state leaking between samples or workers.
+    # torchvision is imported here, not at the top: its import takes 1.5 s (it loads torch._dynamo), and a run whose
+    # data is cached never augments.
+    from torchvision.transforms.v2 import InterpolationMode
+    from torchvision.transforms.v2 import functional as TF
+
     h, w = img.shape
     pad = 8 + int(0.12 * max(h, w))  # room for the ends of a wide line to rotate and shear into
     x = torch.from_numpy(np.pad(img, pad).astype(np.float32))[None]
@@ -403,7 +406,7 @@ def _cache_params(cfg) -> dict:
         # a new renderer or random stream may draw other pixels for the same config
         matplotlib=matplotlib.__version__,
         torch=torch.__version__,
-        torchvision=torchvision.__version__,
+        torchvision=importlib.metadata.version("torchvision"),
         numpy=np.__version__,
     )
 

@@ -41,7 +41,7 @@ from wapstable.train.runlock import run_lock
 from wapstable.train.signals import StopSignals, preemption_signal
 from wapstable.train.state import Best, TrainingState
 from wapstable.train.step import TrainingStep
-from wapstable.train.threads import resolve_threads
+from wapstable.train.threads import CoreShare, resolve_threads
 
 log = logging.getLogger("wapstable")
 
@@ -63,6 +63,8 @@ class Trainer(TrainingStep, RunEvents, TrainingState):
         )
         validate_config(cfg)
         threads = resolve_threads(cfg.trainer.threads, parallel_jobs)
+        # auto: shared with the other trainers running on these cores, re-counted during fit
+        self.cores = CoreShare(parallel_jobs) if cfg.trainer.threads == "auto" else contextlib.nullcontext()
         self.cfg, self.on_eval = cfg, on_eval
         self.dist = distributed.setup(cfg.trainer.ddp, cfg.trainer.device)
         self.device = self.dist.device if cfg.trainer.ddp else resolve_device(cfg.trainer.device)
@@ -148,12 +150,18 @@ class Trainer(TrainingStep, RunEvents, TrainingState):
         trainer.max_steps, the time budget or a stop signal; then the final test (or, after a signal, last.pt and
         the hand-over to the cluster's requeue)."""
         t = self.cfg.trainer
+        with self.cores:
+            return self.fit_steps(t)
+
+    def fit_steps(self, t: DictConfig) -> dict:
         self.begin()
         signals, progress = StopSignals(), self.progress_bar()
+        share = getattr(self.cores, "update", lambda: None)
         try:
             with self.anomaly_detection(), signals:
                 time_up = self.time_up()
                 while self.step < t.max_steps and not time_up:
+                    share()
                     self.log_step(self.train_one(), progress)
                     time_up = self.after_step(progress)
                     if self.pruned:  # a sweep's pruner gave up on this trial at its evaluation

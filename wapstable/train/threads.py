@@ -7,10 +7,21 @@ cores it may run on: the cores divided by the processes sharing them (torchrun's
 sweep's parallel jobs), at least 1.
 """
 
+import contextlib
+import fcntl
+import json
+import logging
 import os
+import tempfile
+import time
 from collections.abc import Mapping
+from pathlib import Path
+
+import torch
 
 from wapstable.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 def available_cores() -> int:
@@ -49,3 +60,100 @@ def resolve_threads(setting: int | str, parallel: int = 1) -> int:
         f"trainer.threads={setting} is not a thread count; use auto (this process's share of the cores), "
         "a number >= 1, or 0 for torch's default"
     )
+
+
+def registry_dir() -> Path:
+    """Where this user's running trainers announce themselves (one small locked file each)."""
+    return Path(
+        os.environ.get("WAPSTABLE_TRAINERS_DIR") or Path(tempfile.gettempdir()) / f"wapstable-{os.getuid()}"
+    )
+
+
+class CoreShare:
+    """`trainer.threads=auto` across independent trainers on one machine: two `train.py` in two terminals.
+
+    Each trainer holds a locked file in `registry_dir()` naming the cores it may run on, and about once a second
+    (at a step boundary) counts the live trainers whose cores overlap its own: with `n` of them it uses
+    `cores // n` threads (never more than `resolve_threads` gives for its sweep or torchrun share; at least 1),
+    and its full share again when the others end. A trainer that dies leaves its file unlocked, and the next count
+    deletes it; the lock, not a PID, says who is alive.
+
+    Why: OpenMP threads spin while they wait for each other. Two runs with 2 threads each on 2 cores took 173 s each
+    instead of 29 s for one alone (120 steps), while one thread each keeps both near the lone run's time and a run
+    alone keeps both threads (docs in the README, "Two runs at once"; `scripts/share_cores.py` measures it).
+    """
+
+    def __init__(self, parallel: int = 1, interval_s: float = 1.0):
+        self.floor = resolve_threads("auto", parallel)  # the sweep's and torchrun's share
+        self.cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        self.interval_s, self.next_check = interval_s, 0.0
+        self.path: Path | None = None
+        self.fd: int | None = None
+
+    def __enter__(self) -> "CoreShare":
+        directory = registry_dir()
+        try:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            tmp = directory / f".{os.getpid()}.{time.monotonic_ns()}.tmp"
+            self.fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.write(self.fd, json.dumps({"pid": os.getpid(), "cores": self.cores}).encode())
+            fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self.path = tmp.with_name(f"{os.getpid()}.{time.monotonic_ns()}.trainer")
+            os.replace(tmp, self.path)  # locked before it is visible: no live trainer is ever taken for dead
+        except OSError as e:  # an unwritable temp dir: this run keeps its static share
+            log.warning("trainer.threads=auto cannot register in %s (%s); not sharing cores", directory, e)
+            self.close()
+        self.update(force=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.path is not None:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+            self.path = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def others(self) -> int:
+        """Live trainers of this user on cores that overlap this one's (files of dead ones are deleted)."""
+        count = 0
+        for path in registry_dir().glob("*.trainer"):
+            if path == self.path:
+                continue
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:  # gone since the glob
+                continue
+            try:
+                try:
+                    fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except OSError:  # locked: its trainer is alive
+                    info = json.loads(os.read(fd, 1 << 16) or b"{}")
+                    cores = set(info.get("cores") or [])
+                    count += not cores or not self.cores or bool(cores & set(self.cores))
+                else:  # nobody holds it: a trainer that died without removing it
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+            except ValueError:  # a file being written by hand, or foreign: not a trainer
+                pass
+            finally:
+                os.close(fd)
+        return count
+
+    def update(self, force: bool = False) -> int:
+        """Re-count the trainers (at most once per interval unless `force`) and set torch's threads; returns them."""
+        now = time.monotonic()
+        if self.path is not None and (force or now >= self.next_check):
+            self.next_check = now + self.interval_s
+            others = self.others()
+            threads = max(1, min(self.floor, available_cores() // (1 + others)))
+            if threads != torch.get_num_threads():
+                log.info(
+                    "trainer.threads=auto: %d threads (%d other trainers on these cores)", threads, others
+                )
+                torch.set_num_threads(threads)
+        return torch.get_num_threads()
