@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: install train test lint format bench figures clean
+.PHONY: install train test test-all smoke lint format bench gpu-check figures clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,8 +19,17 @@ install: $(VENV)/.installed
 train: $(VENV)/.installed
 	$(PY) train.py $(ARGS)
 
+# Every feature, in at most 5 minutes on 2 cores; test-all adds the long matrices (tests marked slow: rollback at
+# every step, fault x clip, the non-editable install, kill-anywhere).
 test: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
+
+test-all: $(VENV)/.installed
 	$(PY) -m pytest -q $(ARGS)
+
+# pip install . into a fresh venv of another Python (PYTHON=python3.12) and a debug=tiny run of the installed command.
+smoke:
+	scripts/install_smoke.sh $(PYTHON)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
@@ -32,6 +41,10 @@ format: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) scripts/bench.py $(ARGS)
+
+# The CUDA paths on one GPU in at most 5 minutes, one table, exit 1 on a failure; ARGS="--device cpu --quick" on a CPU.
+gpu-check: $(VENV)/.installed
+	$(PY) scripts/gpu_check.py $(ARGS)
 
 # The README's pictures into docs/; ARGS="--run RUN_DIR --checkpoint CKPT" adds the ExpRate curve and attention maps.
 figures: $(VENV)/.installed

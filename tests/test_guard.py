@@ -2,12 +2,14 @@
 
 import copy
 import json
+import math
 
 import pytest
 import torch
 from conftest import TINY, assert_identical, compose_config, run_train
 
 from wapstable.stability.guard import SkipBudget, SpikeDetector
+from wapstable.stability.step_guard import Outcome
 from wapstable.train.loop import Trainer
 
 
@@ -145,3 +147,115 @@ def test_detect_anomaly_mode_runs(tmp_path, cache_dir):
     run = tmp_path / "run"
     run_train(["guard.detect_anomaly=true"], run, cache_dir)
     assert json.loads((run / "metrics.json").read_text())["steps"] == 3
+
+
+class InfInBackward(torch.autograd.Function):
+    """Identity in forward; in backward one value of the incoming gradient becomes +Inf (an op whose backward
+    overflows while its forward, and so the loss, stay finite)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        grad.view(-1)[0] = float("inf")
+        return grad
+
+
+def counted(trainer):
+    """The step counters a skip must leave alone (optimizer and scheduler ones are in their state_dicts)."""
+    c = trainer.guard.counters()
+    return {k: c[k] for k in ("accepted", "clipped", "scaler_skips")}
+
+
+def take(trainer, n):
+    """n accepted steps through the trainer's own step code."""
+    for _ in range(n):
+        out = trainer.train_step(trainer.stream.next())
+        assert not out.skipped, out.reason
+        trainer.step += 1
+
+
+@pytest.mark.parametrize("optim", ["adadelta", "adam", "sgd"])
+def test_a_nonfinite_gradient_with_a_finite_loss_changes_nothing(tmp_path, cache_dir, optim):
+    """The guard's gradient branch in the trainer: the loss is finite, the watcher's gradients are not. Weights,
+    BatchNorm statistics, moments, step counters, schedule and AutoClip history stay bit-identical."""
+    trainer = make_trainer(tmp_path, cache_dir, f"optim={optim}", "clip=autoclip", "optim.schedule=cosine")
+    take(trainer, 2)
+    before, counters = snapshot(trainer), counted(trainer)
+    last_conv = trainer.model.watcher.blocks[-1][-1]  # conv + BatchNorm, the watcher's last layer
+    handle = last_conv.register_forward_hook(lambda module, args, out: InfInBackward.apply(out))
+    try:
+        out = trainer.train_step(trainer.stream.next())
+    finally:
+        handle.remove()
+    assert out.skipped and out.counted and math.isfinite(out.loss)
+    assert out.reason.startswith("non-finite gradients (") and not math.isfinite(out.grad_norm)
+    assert_identical(before, snapshot(trainer))
+    assert counted(trainer) == counters and trainer.guard.steps == 3
+    assert trainer.budget.total == trainer.budget.nonfinite == 1
+    assert all(p.grad is None for p in trainer.model.parameters())
+    saved = torch.load(out.anomaly_path, weights_only=True)["state"]
+    bad = saved["anomaly"]["nonfinite_counts"]
+    assert bad and all(name.startswith("watcher.") for name in bad)  # the parser's gradients were finite
+    trainer.step += 1
+    take(trainer, 1)  # and training goes on from the untouched weights
+
+
+def test_a_spike_skip_changes_nothing(tmp_path, cache_dir):
+    """guard.skip_spikes in the trainer: an lr spike at step 4 is accepted and does its damage, and the loss of
+    step 5 is a spike. That step is skipped with weights, BatchNorm statistics, moments, step counters,
+    schedule, AutoClip history and the spike window bit-identical."""
+    trainer = make_trainer(
+        tmp_path,
+        cache_dir,
+        "guard.skip_spikes=true",
+        "guard.spike_warmup=3",
+        "guard.spike_zscore=3",
+        "fault=lr_spike",
+        "fault.step=4",
+        "fault.scale=1e3",
+        "clip=autoclip",
+        "trainer.max_steps=8",
+    )
+    take(trainer, 5)
+    before = {**snapshot(trainer), "spikes": copy.deepcopy(trainer.spikes.state_dict())}
+    counters = counted(trainer)
+    assert len(before["spikes"]["losses"]) == 5
+    out = trainer.train_step(trainer.stream.next())
+    assert out.outcome is Outcome.SPIKE and out.reason.startswith("loss spike"), out
+    assert math.isfinite(out.loss) and math.isfinite(out.grad_norm)
+    assert_identical(before, {**snapshot(trainer), "spikes": trainer.spikes.state_dict()})
+    assert counted(trainer) == counters and trainer.budget.spikes == 1 and trainer.budget.nonfinite == 0
+    assert all(p.grad is None for p in trainer.model.parameters())
+
+
+def test_an_fp16_scaler_skip_changes_nothing(tmp_path, cache_dir):
+    """trainer.precision=fp16 on the CPU (autocast and a CPU GradScaler): with the scale grown too high the
+    scaled gradients overflow float16 while the loss is finite. The scaler's skip leaves weights, BatchNorm
+    statistics, moments, step counters, schedule and AutoClip history bit-identical, halves the scale, and is
+    counted apart from the guard's budget."""
+    trainer = make_trainer(
+        tmp_path, cache_dir, "trainer.precision=fp16", "optim=adam", "clip=autoclip", "optim.schedule=cosine"
+    )
+    assert trainer.scaler.is_enabled() and trainer.guard.scaler is trainer.scaler
+    accepted = 0
+    for _ in range(8):  # until two steps are taken (the first scale may overflow, as fp16 runs start)
+        accepted += not trainer.train_step(trainer.stream.next()).skipped
+        trainer.step += 1
+        if accepted == 2:
+            break
+    assert accepted == 2
+    trainer.scaler.update(new_scale=2.0**40)  # x 2^40 overflows float16's 65504 in backward
+    before, counters = snapshot(trainer), counted(trainer)
+    budget = trainer.budget.state_dict()
+    out = trainer.train_step(trainer.stream.next())
+    assert out.outcome is Outcome.SCALER and not out.counted and out.anomaly_path is None, out
+    assert math.isfinite(out.loss) and out.reason.startswith("non-finite gradients")
+    assert_identical(before, snapshot(trainer))
+    assert counted(trainer) == {**counters, "scaler_skips": counters["scaler_skips"] + 1}
+    assert trainer.budget.state_dict() == budget  # not against the budget
+    assert trainer.scaler.get_scale() == 2.0**39
+    assert all(p.grad is None for p in trainer.model.parameters())

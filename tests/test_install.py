@@ -22,14 +22,21 @@ COMMANDS = [
     "wapstable-summarize-sweep",
     "wapstable-bench",
     "wapstable-figures",
+    "wapstable-share-cores",
+    "wapstable-gpu-check",
 ]
 
 
 def clean_copy(dest: Path) -> None:
     """The files a clone of this working tree would hold: tracked and new files, not ignored ones (no .venv, no
     build/, no egg-info); links stay links, as git keeps them."""
+    # Not a skip: make test (and CI, .ci/run) runs in a clone, so without git this test would quietly vanish.
     if shutil.which("git") is None or not (ROOT / ".git").exists():
-        pytest.skip("needs a git checkout to know which files a clone holds")
+        pytest.fail(
+            f"{ROOT} is not a git checkout (or git is not on PATH): this test copies the files a clone holds "
+            "(git ls-files); run the tests in a clone of the repository",
+            pytrace=False,
+        )
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=ROOT,

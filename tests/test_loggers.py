@@ -31,6 +31,21 @@ ROLLBACK = [
 ]
 
 
+def require(module: str):
+    """Import a module of the loggers extra. Missing, it FAILS the test, not skips it: `make test` installs the
+    extra (dev includes it), so a missing one is a broken environment whose tests must not quietly vanish."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        pytest.fail(
+            f"{module} is not installed ({e}); logger={module} is in the loggers extra, which the tests need: "
+            "pip install -e '.[dev]' (or make test, which installs it)",
+            pytrace=False,
+        )
+
+
 def read_csv(path) -> dict[str, dict[int, float]]:
     """metrics.csv as {tag: {step: value}}, as a user reads it with the csv module."""
     out = {}
@@ -97,8 +112,8 @@ def read_wandb(run_dir) -> dict[str, dict[int, float]]:
 
 @pytest.mark.slow
 def test_every_logger_gets_the_same_scalars(tmp_path, cache_dir, monkeypatch):
-    pytest.importorskip("mlflow", reason="logger=mlflow needs the loggers extra: pip install -e '.[loggers]'")
-    pytest.importorskip("wandb", reason="logger=wandb needs the loggers extra: pip install -e '.[loggers]'")
+    require("mlflow")
+    require("wandb")
     run = tmp_path / "run"
     run_train([*ROLLBACK, "logger=[tensorboard,csv,mlflow,wandb]"], run, cache_dir)
 
@@ -159,7 +174,7 @@ def test_csv_alone_writes_no_tensorboard(tmp_path, cache_dir):
 
 
 def test_mlflow_resumes_the_run_in_its_run_directory(tmp_path, monkeypatch):
-    pytest.importorskip("mlflow", reason="logger=mlflow needs the loggers extra: pip install -e '.[loggers]'")
+    require("mlflow")
     from wapstable.train.loggers import MlflowLogger
 
     first = MlflowLogger(tmp_path, None, "wapstable", "a/run", {"seed": "0"})

@@ -1,20 +1,23 @@
 """Anomaly checkpoints from real train.py runs, and their replay: the first non-finite module and op, NaN and Inf."""
 
+import copy
 import json
+import math
 import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn as nn
-from conftest import ROOT, run_train
+from conftest import ROOT, TINY, assert_identical, compose_config, run_train
 from omegaconf import OmegaConf
 
-from wapstable.checkpoint import load_checkpoint
+from wapstable.checkpoint import load_checkpoint, rng_state
 from wapstable.cli import replay_anomaly
 from wapstable.errors import UserError
 from wapstable.model.wap import build_model
 from wapstable.stability.replay import replay, summarize, trace_nonfinite
+from wapstable.train.loop import Trainer
 
 SHORT = ["trainer.max_steps=4", "trainer.eval_every=4", "trainer.checkpoint_every=4", "fault.step=1"]
 NAIVE = ["model.attention.stable=false", "fault=attention_overflow", "guard.max_consecutive_skips=10", *SHORT]
@@ -81,7 +84,9 @@ def test_nan_input_is_skipped_and_replay_names_the_first_conv(nan_run, capsys):
     report = json.loads(out)
     assert report["reproduced"] and report["origin"] == "forward"
     assert report["first_forward_module"] == first_conv
-    assert report["nonfinite_grads"] == a["nonfinite_counts"]  # the same step, bit for bit: same bad values
+    # The same bad values as in training; that the replay recomputes the trainer's step bit for bit (weights,
+    # RNG, batch) is test_replay_recomputes_the_trainers_step_bit_for_bit's.
+    assert report["nonfinite_grads"] == a["nonfinite_counts"]
     assert report["first_forward_module_inputs"]["nan"] == 1  # the one NaN pixel of the fault
     assert report["nonfinite_input_values"] == 1
     assert report["batch_ids"] == [str(i) for i in a["batch"]["ids"]]
@@ -210,3 +215,48 @@ def test_forward_op_and_module_are_named_inside_a_module():
     assert report["first_forward_op"] == "aten.exp.default" and report["first_forward_op_kind"] == "inf"
     assert report["first_forward_op_module"] == "1"
     assert report["origin"] == "forward" and report["reproduced"]
+
+
+def test_replay_recomputes_the_trainers_step_bit_for_bit(tmp_path, cache_dir):
+    """The anomaly checkpoint holds the trainer's weights, optimizer state and RNG from just before the step, and
+    its replay recomputes that step exactly. A twin run without the fault takes the same step: with the fault
+    removed on replay (`fault.name=none`), the replay's loss and gradient norm equal the twin's bit for bit. With
+    dropout on, a wrong RNG state changes the masks and so the loss; a wrong weight changes both."""
+    common = [*TINY, "model.dropout=0.3", "guard.localize=false", "logger=[]", "trainer.max_steps=4"]
+
+    def trainer(name, *overrides):
+        cfg = compose_config([*common, *overrides], run_dir=tmp_path / name)
+        cfg.data.cache_dir = str(cache_dir)
+        return Trainer(cfg)
+
+    faulty = trainer("faulty", "fault=nan_input", "fault.step=2")
+    results = [faulty.train_one() for _ in range(3)]
+    assert [r.skipped for r in results] == [False, False, True]
+    saved = load_checkpoint(results[2].anomaly_path)
+
+    twin = trainer("twin", "fault=none")
+    before = {}
+    train_step = twin.train_step
+
+    def spy(batch, rng_before=None):  # the twin's state and RNG as its step 2 begins its forward
+        if twin.step == 2:
+            before.update(
+                model=copy.deepcopy(twin.model.state_dict()),
+                optimizer=copy.deepcopy(twin.optimizer.state_dict()),
+                rng=rng_state(),
+                ids=[str(i) for i in batch.ids],
+            )
+        return train_step(batch, rng_before)
+
+    twin.train_step = spy
+    taken = [twin.train_one() for _ in range(3)][2]
+    assert not taken.skipped and math.isfinite(taken.loss)
+
+    assert_identical(saved["model"], before["model"], "model")  # weights and BatchNorm statistics
+    assert_identical(saved["optimizer"], before["optimizer"], "optimizer")
+    assert torch.equal(saved["rng"]["torch"], before["rng"]["torch"])  # what dropout draws from
+    report = replay(saved, overrides={"fault.name": "none"})
+    assert not report["reproduced"] and report["batch_ids"] == before["ids"]
+    assert report["loss"] == taken.loss and report["grad_norm"] == taken.grad_norm
+    # The same checkpoint with the fault left on reproduces the anomaly.
+    assert replay(saved)["reproduced"]

@@ -1,10 +1,13 @@
 """guard.on_budget_exhausted=rollback through the real train.py: restore, back off, carry on, within bounds."""
 
+import copy
 import json
 
 import pytest
 import torch
-from conftest import run_multirun, run_train
+from conftest import TINY, assert_identical, compose_config, run_multirun, run_train
+
+from wapstable.train.loop import Trainer
 
 SPIKE = [
     "fault=lr_spike",
@@ -192,3 +195,59 @@ def test_a_run_resumed_inside_a_failure_streak_returns_to_trusted_pt(tmp_path, c
     [event] = json.loads((run / "metrics.json").read_text())["rollbacks"]
     assert event["restored_step"] == 4 and event["source"] == "trusted.pt"
     assert finite(torch.load(run / "checkpoints" / "last.pt", weights_only=True)["state"])
+
+
+def test_a_rollback_restores_the_snapshot_bit_for_bit(tmp_path, cache_dir):
+    """After a rollback the weights (BatchNorm statistics included), the optimizer's moments and step counters,
+    the schedule's position and the AutoClip history are those of the step rolled back to, bit for bit: the
+    same as a twin run stopped at that step. Only the back-off differs (the lr halved)."""
+    common = [
+        *TINY,
+        *SPIKE,
+        "guard.on_budget_exhausted=rollback",
+        "clip=autoclip",
+        "trainer.max_steps=10",
+        "trainer.eval_every=10",
+        "trainer.checkpoint_every=10",
+        "decode.final_beam_size=1",
+        "logger=[]",
+    ]
+
+    def trainer(name):
+        cfg = compose_config(common, run_dir=tmp_path / name)
+        cfg.data.cache_dir = str(cache_dir)
+        return Trainer(cfg)
+
+    def training_state(t):
+        return copy.deepcopy(
+            {
+                "model": t.model.state_dict(),
+                "optimizer": t.optimizer.state_dict(),
+                "history": t.history.state_dict(),
+                "scheduler_steps": t.scheduler.state_dict()["last_epoch"],
+            }
+        )
+
+    run = trainer("rollback")
+    after = []
+    roll_back = run.roll_back
+
+    def spy(reason):  # the training state just after the rollback
+        done = roll_back(reason)
+        after.append(training_state(run))
+        return done
+
+    run.roll_back = spy
+    metrics = run.fit()
+    [event] = metrics["rollbacks"]
+    assert event["step"] == 7 and event["restored_step"] == 4 and event["source"] == "snapshot"
+    [restored] = after
+
+    twin = trainer("twin")  # the same run, stopped before the spike's step
+    for _ in range(event["restored_step"]):
+        assert not twin.train_one().skipped
+    want = training_state(twin)
+    assert want["scheduler_steps"] == 4 and want["history"]["count"] == 4
+    for got, group in zip(restored["optimizer"]["param_groups"], want["optimizer"]["param_groups"]):
+        assert got.pop("lr") == 0.5 * group.pop("lr")  # the back-off, the one intended difference
+    assert_identical(restored, want)

@@ -2,6 +2,7 @@
 loop, one host sync per taken step, the budget, anomaly checkpoints, and the plain-loop example."""
 
 import copy
+import math
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from wapstable.checkpoint import load_checkpoint
 from wapstable.errors import TrainingStopped
 from wapstable.stability import Outcome, StepGuard
 from wapstable.stability.clipping import clip_gradients_
+from wapstable.stability.guard import SpikeDetector
 
 MODES = {
     "none": {},
@@ -106,12 +108,15 @@ def test_a_taken_step_equals_the_plain_loop(mode):
     assert any(clipped) == (mode != "none")  # the thresholds above clip at least once
 
 
-def test_one_host_sync_per_taken_step(monkeypatch):
+@pytest.mark.parametrize("scaled", [False, True], ids=["fp32", "gradscaler"])
+def test_one_host_sync_per_taken_step(monkeypatch, scaled):
     """The accepted path reads the device once (loss, norm, finite flag, clip flag together): counted by
-    patching every Tensor method that copies a value to the host."""
+    patching every Tensor method that copies a value to the host. With a GradScaler too: the guard steps the
+    optimizer itself, as scaler.step would read its found-inf flag a second time."""
     model = two_layer()
     opt = torch.optim.Adam(model.parameters(), 1e-2)
-    guard = StepGuard(model, opt, clip="norm", max_norm=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if scaled else None
+    guard = StepGuard(model, opt, clip="norm", max_norm=0.5, scaler=scaler)
     data = batches()
     guard.step(nn.functional.mse_loss(model(data[0][0]), data[0][1]))  # warm-up (lazy optimizer state)
     calls = []
@@ -132,6 +137,8 @@ def test_one_host_sync_per_taken_step(monkeypatch):
         result = guard.step(loss)
         assert not result.skipped and result.clipped
         assert calls == ["tolist"], calls
+    if scaled:  # the scaler still followed the steps: its growth tracker counted every one of them
+        assert scaler.state_dict()["_growth_tracker"] == len(data)
 
 
 def test_the_budget_stops_a_plain_loop(tmp_path):
@@ -204,3 +211,118 @@ def test_a_first_release_state_dict_still_loads():
     resumed = StepGuard(model, opt, clip="norm")
     resumed.load_state_dict(old)
     assert resumed.counters() == guard.counters() and resumed.accepted == 2
+
+
+def guarded_state(model, opt, sched, guard):
+    """Everything a skip must leave as it was: weights and BatchNorm buffers, optimizer moments and step
+    counters, the schedule, the AutoClip history, the spike window and the guard's counters."""
+    return copy.deepcopy(
+        {
+            **everything(model, opt, sched),
+            "history": guard.history.state_dict(),
+            "spikes": guard.spikes.state_dict() if guard.spikes is not None else None,
+            "counters": guard.counters(),
+        }
+    )
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_nonfinite_gradient_with_a_finite_loss_is_skipped_bit_exactly(mode, tmp_path):
+    """The gradient branch of the guard: the loss is finite, one gradient tensor holds an Inf (a hook on the
+    output layer's weight, as an op whose backward overflows would leave it)."""
+    model = two_layer()
+    opt = torch.optim.Adam(model.parameters(), 1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    guard = StepGuard(model, opt, scheduler=sched, clip=mode, **MODES[mode], anomaly_dir=tmp_path)
+    poison = [False]
+
+    def inf_into_one_value(grad):
+        if not poison[0]:
+            return grad
+        grad = grad.clone()
+        grad[0, 0] = float("inf")
+        return grad
+
+    model[3].weight.register_hook(inf_into_one_value)
+    data = batches()
+    for x, y in data[:3]:  # three taken steps: Adam has moments and step counters, AutoClip a history
+        assert not guard.step(nn.functional.mse_loss(model(x), y)).skipped
+    before = guarded_state(model, opt, sched, guard)
+    poison[0] = True
+    x, y = data[3]
+    loss = nn.functional.mse_loss(model(x), y)
+    assert torch.isfinite(loss)
+    result = guard.step(loss, batch=(x, y))
+    assert result.outcome is Outcome.NONFINITE and result.counted
+    assert result.reason == "non-finite gradients (1 gradient tensors non-finite)"
+    assert result.loss == float(loss.detach()) and result.grad_norm == float("inf")
+    counters = guard.counters()
+    assert counters.pop("anomaly_checkpoints") == 1
+    before["counters"].pop("anomaly_checkpoints")
+    assert_identical(before, {**guarded_state(model, opt, sched, guard), "counters": counters})
+    assert all(p.grad is None for p in model.parameters())
+    assert guard.steps == 4 and guard.budget.total == guard.budget.nonfinite == 1
+    saved = load_checkpoint(result.anomaly_path)
+    assert saved["anomaly"]["nonfinite_counts"] == {"3.weight": 1}
+    assert_identical(saved["model"], before["model"])
+    poison[0] = False
+    x, y = data[4]
+    assert not guard.step(nn.functional.mse_loss(model(x), y)).skipped  # and training goes on
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values())
+
+
+def test_a_spike_is_skipped_bit_exactly():
+    """A finite loss far above the window of accepted losses: skipped like a NaN, nothing moves, and the spike
+    does not join the window."""
+    model = two_layer()
+    opt = torch.optim.Adam(model.parameters(), 1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    spikes = SpikeDetector(window=8, zscore=4.0, warmup=4)
+    guard = StepGuard(model, opt, scheduler=sched, clip="autoclip", spikes=spikes)
+    data = batches(8)
+    for x, y in data[:5]:
+        assert not guard.step(nn.functional.mse_loss(model(x), y)).skipped
+    assert len(spikes.losses) == 5
+    before = guarded_state(model, opt, sched, guard)
+    x, y = data[5]
+    result = guard.step(nn.functional.mse_loss(model(x), 100.0 * y))  # targets 100x off: a loss spike
+    assert result.outcome is Outcome.SPIKE and result.counted and result.reason.startswith("loss spike")
+    assert math.isfinite(result.loss) and math.isfinite(result.grad_norm)
+    assert_identical(before, guarded_state(model, opt, sched, guard))
+    assert all(p.grad is None for p in model.parameters())
+    assert guard.steps == 6 and guard.budget.spikes == 1 and guard.budget.nonfinite == 0
+    x, y = data[6]
+    assert not guard.step(nn.functional.mse_loss(model(x), y)).skipped
+
+
+def test_an_fp16_overflow_is_skipped_bit_exactly_by_the_scaler():
+    """fp16 autocast with a CPU GradScaler whose scale is too high: the scaled gradients overflow float16, the
+    loss stays finite, and the guard leaves the step to the scaler (not counted against the budget): nothing
+    moves but the scale, which halves."""
+    model = two_layer()
+    opt = torch.optim.Adam(model.parameters(), 1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    guard = StepGuard(model, opt, scheduler=sched, clip="autoclip", scaler=scaler)
+
+    def loss_of(x, y):
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        return nn.functional.mse_loss(out.float(), y)
+
+    data = batches()
+    for x, y in data[:3]:
+        assert not guard.step(loss_of(x, y)).skipped
+    scaler.update(new_scale=2.0**40)  # a scale grown too far: x 2^40 overflows float16's 65504
+    before = guarded_state(model, opt, sched, guard)
+    x, y = data[3]
+    loss = loss_of(x, y)
+    result = guard.step(loss)
+    assert result.outcome is Outcome.SCALER and result.skipped and not result.counted
+    assert result.reason.startswith("non-finite gradients") and result.loss == float(loss.detach())
+    counters = guard.counters()
+    assert counters["scaler_skips"] == 1 and before["counters"]["scaler_skips"] == 0
+    counters["scaler_skips"] = 0
+    assert_identical(before, {**guarded_state(model, opt, sched, guard), "counters": counters})
+    assert all(p.grad is None for p in model.parameters())
+    assert scaler.get_scale() == 2.0**39 and guard.budget.total == 0

@@ -5,12 +5,11 @@ import csv
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import yaml
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, python_run
 from hydra import compose, initialize_config_dir
 
 spec = importlib.util.spec_from_file_location("summarize_sweep", ROOT / "scripts" / "summarize_sweep.py")
@@ -18,15 +17,26 @@ summarize_sweep = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(summarize_sweep)
 
 
+def require(module: str):
+    """Import a module of the sweep extra. Missing, it FAILS the test, not skips it: `make test` installs the
+    extra (dev includes it), so a missing one is a broken environment whose tests must not quietly vanish."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        pytest.fail(
+            f"{module} is not installed ({e}); it is in the sweep extra, which the tests need: "
+            "pip install -e '.[dev]' (or make test, which installs it)",
+            pytrace=False,
+        )
+
+
 def needs(plugin: str):
-    return pytest.importorskip(
-        f"hydra_plugins.{plugin}", reason=f"{plugin} is in the sweep extra: pip install -e '.[sweep]'"
-    )
+    return require(f"hydra_plugins.{plugin}")
 
 
 def needs_optuna():
     """The Optuna sweeper (hydra_plugins/wapstable_optuna) ships with wapstable; Optuna is in the sweep extra."""
-    return pytest.importorskip("optuna", reason="optuna is in the sweep extra: pip install -e '.[sweep]'")
+    return require("optuna")
 
 
 def trial_states(storage: str, study: str = "wapstable") -> list[str]:
@@ -39,7 +49,7 @@ def multirun(args, sweep_dir, cache_dir, timeout=600):
     """`python train.py -m` with tiny settings into `sweep_dir`; returns the CompletedProcess."""
     cmd = [sys.executable, str(ROOT / "train.py"), "-m", *TINY, f"hydra.sweep.dir={sweep_dir}", *args]
     env = {**os.environ, "WAPSTABLE_CACHE": str(cache_dir)}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return python_run(cmd, env=env, timeout=timeout)
 
 
 def explain(proc) -> str:

@@ -228,7 +228,10 @@ class StepGuard:
             if before_update is not None:
                 before_update()
             if self.scaler:
-                self.scaler.step(self.optimizer)
+                if bad_value:  # not skipped (skip_nonfinite off): the scaler's own check skips the update
+                    self.scaler.step(self.optimizer)
+                else:  # every gradient is finite, read in the sync above: scaler.step would read it again
+                    self.optimizer.step()
                 self.scaler.update()
             else:
                 self.optimizer.step()

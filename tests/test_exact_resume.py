@@ -1,0 +1,72 @@
+"""Resume is bit-identical beyond fp32 with clip=norm (tests/test_train.py): with AutoClip's grad-norm history, the
+spike detector's window and fp16's GradScaler, N steps straight end where N/2 steps, a checkpoint and a resume for
+N/2 more end, every tensor and counter of the training state equal. In process, through `Trainer.fit`."""
+
+import pytest
+import torch
+from conftest import TINY, assert_identical, compose_config
+
+from wapstable.checkpoint import load_checkpoint
+from wapstable.train.loop import Trainer
+
+N = 8
+COMMON = [
+    *TINY,
+    f"trainer.eval_every={N // 2}",
+    f"trainer.checkpoint_every={N // 2}",
+    "decode.final_beam_size=1",
+    "logger=[]",
+]
+CASES = {
+    # AutoClip's threshold is a percentile of every grad norm so far: a resumed run must carry the history.
+    "autoclip": ["clip=autoclip"],
+    # An lr spike at step 4 (the first step after the resume) makes step 5's loss a spike, which only the window
+    # of steps 0-4 can tell: a resumed run with an empty window would take it.
+    "spike_window": [
+        "guard.skip_spikes=true",
+        "guard.spike_warmup=3",
+        "guard.spike_zscore=3",
+        "fault=lr_spike",
+        "fault.step=4",
+        "fault.scale=1e3",
+        "guard.max_consecutive_skips=10",
+    ],
+    # fp16 on the CPU: the GradScaler's scale and growth tracker go on where they were.
+    "fp16_scaler": ["trainer.precision=fp16"],
+}
+# The training state of last.pt (not the config, which names the resume, nor the clock or the evaluations).
+KEYS = ("step", "model", "optimizer", "scheduler", "scaler", "guard", "counters", "stream", "rollback")
+
+
+def fit(run_dir, cache_dir, *overrides):
+    cfg = compose_config([*COMMON, *overrides], run_dir=run_dir)
+    cfg.data.cache_dir = str(cache_dir)
+    Trainer(cfg).fit()
+    return load_checkpoint(run_dir / "checkpoints" / "last.pt")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_resume_is_bit_identical(tmp_path, cache_dir, case):
+    straight = fit(tmp_path / "straight", cache_dir, *CASES[case], f"trainer.max_steps={N}")
+    half = fit(tmp_path / "first", cache_dir, *CASES[case], f"trainer.max_steps={N // 2}")
+    resumed = fit(
+        tmp_path / "resumed",
+        cache_dir,
+        *CASES[case],
+        f"trainer.max_steps={N}",
+        f"resume={tmp_path / 'first' / 'checkpoints' / 'last.pt'}",
+    )
+    # The state the resume has to carry is not the one a fresh run starts with, so dropping it shows.
+    if case == "autoclip":
+        assert half["guard"]["history"]["count"] == N // 2
+        assert straight["counters"]["clipped"] > half["counters"]["clipped"]  # clipped after the resume too
+    elif case == "spike_window":
+        assert len(half["guard"]["spikes"]["losses"]) == N // 2
+        assert straight["guard"]["budget"]["spikes"] >= 1 and half["guard"]["budget"]["spikes"] == 0
+    else:
+        fresh = torch.amp.GradScaler("cpu").state_dict()
+        assert half["scaler"] and half["scaler"] != fresh
+        assert straight["counters"]["accepted"] > 0
+    assert resumed["step"] == straight["step"] == N
+    assert_identical({k: straight[k] for k in KEYS}, {k: resumed[k] for k in KEYS})
+    assert torch.equal(straight["rng"]["torch"], resumed["rng"]["torch"])
