@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from wapstable.config import CONF_DIR, TINY_OVERRIDES, quote_group_options, register_configs
@@ -21,6 +22,7 @@ register_configs()
 # trainer.threads=auto counts the trainers running on the machine (wapstable/train/threads.py): the tests' runs
 # count only each other, so their thread counts do not depend on what else runs here.
 os.environ["WAPSTABLE_TRAINERS_DIR"] = tempfile.mkdtemp(prefix="wapstable-test-trainers-")
+torch.set_num_threads(1)  # the in-process tests too, as TINY's trainer.threads=1
 
 # Tiny settings that keep a real run of train.py to seconds on a CPU: debug=tiny (conf/debug/tiny.yaml) and a few
 # steps.
@@ -33,6 +35,9 @@ TINY = [
     "trainer.eval_every=3",
     "trainer.checkpoint_every=3",
     "trainer.progress=false",
+    # make test runs two test processes at once (pytest-xdist, -n 2): one thread per training keeps them from
+    # waiting on each other's spinning OpenMP threads, and a tiny model trains as fast on one
+    "trainer.threads=1",
 ]
 
 

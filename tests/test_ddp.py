@@ -66,7 +66,6 @@ def explain(proc) -> str:
     return f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
-@pytest.mark.slow
 def test_nan_on_rank1_skips_on_both_ranks_and_resumes(tmp_path, cache_dir):
     run = tmp_path / "run"
     args = [

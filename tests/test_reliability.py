@@ -161,6 +161,7 @@ def tensors(state, prefix=""):
     return {k: v for key, value in items for k, v in tensors(value, f"{prefix}/{key}").items()}
 
 
+@pytest.mark.slow
 def test_killed_anywhere_resumes_to_the_same_weights(tmp_path, cache_dir):
     straight = tmp_path / "straight"
     reference = subprocess.Popen(  # the uninterrupted run, alongside the interrupted one
@@ -294,6 +295,7 @@ def test_sigusr2_checkpoints_exits_for_requeue_and_resumes_bit_identical(tmp_pat
     same_training_state(straight, run)
 
 
+@pytest.mark.slow
 def test_a_preempted_submitit_job_requeues_itself_and_finishes_bit_identical(tmp_path, cache_dir):
     """fault=preempt sends the job SIGUSR2 in step 5 under Hydra's submitit launcher: the trainer writes last.pt,
     submitit's handler requeues the job (its checkpoint hook), and the requeued job resumes with resume=auto."""

@@ -63,7 +63,6 @@ def summary_rows(sweep_dir, capsys) -> tuple[list[dict], str]:
         return list(csv.DictReader(f)), printed
 
 
-@pytest.mark.slow
 def test_grid_sweep_runs_every_combination_and_is_summarised(tmp_path, cache_dir, capsys):
     sweep = tmp_path / "sweep"
     proc = multirun(["clip=none,norm", "optim.lr=0.5,1.0"], sweep, cache_dir)
@@ -120,7 +119,6 @@ def test_a_failed_job_is_a_failed_row_and_the_sweep_goes_on(tmp_path, cache_dir,
     assert (sweep / "summary.png").is_file()
 
 
-@pytest.mark.slow
 def test_optuna_search_returns_the_configured_metric_and_continues_a_study(tmp_path, cache_dir, capsys):
     # Two trials; the metric is the wall time (minimised), which differs between trials where ExpRate is 0 for both,
     # so the best value shows that train() returned the configured metric.

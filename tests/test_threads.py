@@ -128,7 +128,12 @@ def test_a_run_beside_another_trainer_starts_with_its_share(tmp_path, cache_dir)
     other = hold_registration(tmp_path / "trainers")
     try:
         run = tmp_path / "run"
-        run_train([], run, cache_dir, env_extra={"WAPSTABLE_TRAINERS_DIR": str(tmp_path / "trainers")})
+        run_train(
+            ["trainer.threads=auto"],
+            run,
+            cache_dir,
+            env_extra={"WAPSTABLE_TRAINERS_DIR": str(tmp_path / "trainers")},
+        )
     finally:
         other.kill()
         other.wait()

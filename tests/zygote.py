@@ -68,6 +68,8 @@ def child(request: dict) -> None:
 
 
 def main() -> None:
+    # this checkout's code, as `python train.py` here imports it (whatever checkout an editable install points to)
+    sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     preload()
     control = sys.stdout
     while line := sys.stdin.readline():
