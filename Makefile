@@ -21,11 +21,12 @@ train: $(VENV)/.installed
 
 # Every feature, in at most 5 minutes on 2 cores; test-all adds the long matrices (tests marked slow: rollback at
 # every step, fault x clip, the non-editable install, kill-anywhere).
+# Two test processes at once (pytest-xdist), each test file on one of them: ARGS="-n 0" runs them in this one.
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -m "not slow" $(ARGS)
+	$(PY) -m pytest -q -m "not slow" -n 2 --dist loadfile $(ARGS)
 
 test-all: $(VENV)/.installed
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile $(ARGS)
 
 # pip install . into a fresh venv of another Python (PYTHON=python3.12) and a debug=tiny run of the installed command.
 smoke:
