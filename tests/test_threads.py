@@ -1,12 +1,13 @@
 """trainer.threads=auto: each process gets its share of the cores it may run on, and the run's log says how many."""
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import run_train
+from conftest import ROOT, run_train
 
 from wapstable.errors import UserError
 from wapstable.train.threads import CoreShare, parallel_jobs, resolve_threads
@@ -142,3 +143,29 @@ def test_a_run_beside_another_trainer_starts_with_its_share(tmp_path, cache_dir)
     assert (
         len(list((tmp_path / "trainers").glob("*.trainer"))) == 1
     )  # the run removed its own, not the other's
+
+
+@pytest.mark.slow  # three tiny trainings after a warm-up, each in a fresh interpreter: make test-all
+def test_share_cores_script_times_the_groups_side_by_side(tmp_path, cache_dir):
+    out = tmp_path / "share.json"
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "share_cores.py"),
+        "--quick",
+        "--steps",
+        "3",
+        "--counts",
+        "2",
+    ]
+    proc = subprocess.run(
+        [*cmd, "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads(out.read_text())
+    assert set(res["groups"]) == {"1", "2"}  # the lone run is always measured
+    assert len(res["groups"]["2"]["times_s"]) == 2
+    assert res["groups"]["1"]["ratio"] == 1.0
+    two = res["groups"]["2"]
+    assert two["ratio"] == pytest.approx(two["slowest_s"] / res["groups"]["1"]["slowest_s"])
+    assert res["machine"]["cores"] == len(os.sched_getaffinity(0))
+    assert " at once " in proc.stdout and "x alone" in proc.stdout
