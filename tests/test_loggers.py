@@ -110,7 +110,6 @@ def read_wandb(run_dir) -> dict[str, dict[int, float]]:
     return out
 
 
-@pytest.mark.slow
 def test_every_logger_gets_the_same_scalars(tmp_path, cache_dir, monkeypatch):
     require("mlflow")
     require("wandb")

@@ -101,7 +101,6 @@ def test_grid_sweep_runs_every_combination_and_is_summarised(tmp_path, cache_dir
     assert (sweep / "summary.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.slow
 def test_a_failed_job_is_a_failed_row_and_the_sweep_goes_on(tmp_path, cache_dir, capsys):
     # Through joblib, two jobs at once; clip.max_norm=-1 fails its job with a UserError, the other still runs.
     # trainer.threads=auto shares the cores between the two: each job gets half of them.
@@ -183,7 +182,6 @@ def test_optuna_grid_runs_every_clip_mode(tmp_path, cache_dir, capsys):
     ]  # no quotes left from clip='inf'
 
 
-@pytest.mark.slow
 def test_optuna_prunes_and_records_stopped_trials(tmp_path, cache_dir, capsys):
     # Every (max_steps, fault) pair once. The threshold pruner gives up on a valid ExpRate below 50% (every tiny run's):
     # the 6-step trial is pruned at its first evaluation, step 2; the 2-step trial's only evaluation is its last, so
@@ -337,7 +335,6 @@ def test_sweep_overrides_parse_back_to_the_drawn_value():
         assert parsed == value and type(parsed) is type(value), value
 
 
-@pytest.mark.slow
 def test_submitit_local_sweep_with_a_stopped_job(tmp_path, cache_dir, capsys):
     # Each job a subprocess under submitit; the inf_loss job exhausts its skip budget and stops (TrainingStopped).
     needs("hydra_submitit_launcher")
