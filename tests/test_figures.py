@@ -36,8 +36,9 @@ def test_figures_draws_every_picture_from_its_tiny_runs(tmp_path, cache_dir, mon
         "grad-report-fault.png",
         "samples.png",
         "sweep-summary.png",
+        "symbol-boxes.png",
     ]
-    for name in ("samples.png", "grad-report-fault.png", "sweep-summary.png"):
+    for name in ("samples.png", "grad-report-fault.png", "sweep-summary.png", "symbol-boxes.png"):
         assert_png(out / name)
     # The gradient report is of a run that skipped its NaN step, and the sweep ran every job: the spiked ones were
     # stopped by the guard, the others finished.

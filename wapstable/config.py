@@ -31,6 +31,21 @@ ClipMode = StrEnum("ClipMode", "none norm value inf agc autoclip")
 OnBudgetExhausted = StrEnum("OnBudgetExhausted", "stop rollback")
 FaultName = StrEnum("FaultName", "none nan_input inf_loss lr_spike attention_overflow preempt")
 WandbMode = StrEnum("WandbMode", "offline online disabled")
+GuideKind = StrEnum("GuideKind", "inside kl")
+
+
+@dataclass
+class GuideConfig:
+    """Attention guidance: a training loss that pulls each decoding step's attention toward the box of the symbol
+    its target token names (the data's symbol boxes, on the annotation grid); tokens without a box are skipped."""
+
+    weight: float = 0.0  # its weight beside the sequence loss; 0 = off (the default)
+    # inside: -log of the attention mass on the cells the box touches; kl: KL(target || attention), the target
+    # being the box's share of each cell
+    kind: GuideKind = GuideKind.inside
+    # the weight falls linearly from `weight` at step fade_start to 0 at step fade_end; fade_end=0: it never fades
+    fade_start: int = 0
+    fade_end: int = 0
 
 
 @dataclass
@@ -42,6 +57,7 @@ class AttentionConfig:
     # 2-D sinusoidal positions of the annotation grid added to the attention keys (U a_i + P pos_i); 0 = off
     # (WAP as published). The parser then knows where each annotation is, not only what it holds.
     position_features: int = 0
+    guide: GuideConfig = field(default_factory=GuideConfig)
 
 
 @dataclass

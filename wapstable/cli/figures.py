@@ -6,6 +6,7 @@
 Each picture comes from the project's own tools, so it shows what a user of them sees:
 
     samples.png            rendered training samples and their LaTeX (wapstable.data.synthetic, as data=synthetic)
+    symbol-boxes.png       the box of each token's symbol over rendered samples (the attention guide's targets)
     grad-report-fault.png  scripts/grad_report.py on a tiny run fed a NaN batch at step 5 (fault=nan_input)
     sweep-summary.png      scripts/summarize_sweep.py on a tiny grid sweep: clip modes, without and with an lr spike
     exprate-curve.png      valid ExpRate and token error rate over the steps of --run (its metrics.json)
@@ -31,7 +32,7 @@ import numpy as np
 from wapstable.cli import run_script
 from wapstable.errors import UserError
 
-FIGURES = ("samples", "grad", "sweep", "exprate", "attention")
+FIGURES = ("samples", "boxes", "grad", "sweep", "exprate", "attention")
 # The tiny runs: debug=tiny (conf/debug/tiny.yaml) without loggers or progress bars.
 TINY = ["debug=tiny", "logger=[]", "trainer.progress=false"]
 FAULT_RUN = "nan_input-at-step-5"  # the run directory's name is the gradient report's title
@@ -102,6 +103,88 @@ def samples(out: Path, n: int = 12, seed: int = 0) -> Path:
     )
     fig.tight_layout()
     return _save(fig, out / "samples.png")
+
+
+def symbol_boxes(out: Path, n: int = 6, seed: int = 1, crohme: Path | None = None) -> Path:
+    """Rendered training expressions (default data config, augmented) with the box of every token's symbol, as the
+    attention guide (model.attention.guide) reads them: each box is labelled with its token; tokens without ink of
+    their own ({, }, ^, _) have none. With `crohme` (a folder of InkML), also the first 4 of its files whose
+    traceGroups give boxes, rasterised as data=crohme does."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
+    from omegaconf import OmegaConf
+
+    from wapstable.config import CONF_DIR
+    from wapstable.data.synthetic import FONTS, generate_expressions, render_boxes
+
+    data = OmegaConf.load(CONF_DIR / "data" / "synthetic.yaml")
+    panels = []  # (image, boxes, tokens, caption)
+    for i, tokens in enumerate(generate_expressions(n, seed, int(data.difficulty))):
+        rng = np.random.default_rng([seed, i])
+        font = FONTS[i % len(FONTS)]
+        image, boxes = render_boxes(tokens, font, int(data.font_size), rng, bool(data.augment))
+        panels.append((image, boxes, tokens, f"rendered, font {font}"))
+    if crohme is not None:
+        panels += _crohme_panels(Path(crohme), 4)
+    ncols = 2
+    nrows = -(-len(panels) // ncols)
+    fig = Figure(figsize=(6.4 * ncols, 2.1 * nrows + 0.5), dpi=100)
+    axes = fig.subplots(nrows, ncols, squeeze=False).flatten()
+    width = max(im.shape[1] for im, *_ in panels[:n])
+    colours = [f"C{k}" for k in range(10)]
+    for ax, (im, boxes, tokens, caption) in zip(axes, panels):
+        ax.imshow(255 - im, cmap="gray", vmin=0, vmax=255, interpolation="nearest")
+        k = 0
+        for tok, box in zip(tokens, boxes):
+            if not np.isfinite(box).all():
+                continue
+            x0, y0, x1, y1 = (float(v) for v in box)
+            colour = colours[k % len(colours)]
+            k += 1
+            ax.add_patch(Rectangle((x0 - 0.5, y0 - 0.5), x1 - x0, y1 - y0, fill=False, lw=1.0, ec=colour))
+            ax.text(x0 - 0.5, y0 - 1, tok, color=colour, fontsize=6, family="monospace", va="bottom")
+        ax.set_xlim(-0.5, max(width, im.shape[1]) - 0.5)
+        ax.set_ylim(im.shape[0] - 0.5, -6)
+        ax.set_title(" ".join(tokens).replace("$", r"\$"), fontsize=7, family="monospace")
+        ax.set_xlabel(caption, fontsize=7)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        ax.spines[:].set_visible(False)
+    for ax in axes[len(panels) :]:
+        ax.axis("off")
+    fig.suptitle(
+        "where each token is: the renderer's glyph and rule boxes, bent with the image by the augmentation"
+        + (", and CROHME's traceGroups" if crohme is not None else "")
+        + " ({ } ^ _ have no box)",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    return _save(fig, out / "symbol-boxes.png")
+
+
+def _crohme_panels(folder: Path, count: int) -> list[tuple]:
+    """The first `count` InkML files under `folder` (4 to 20 tokens) whose traceGroups give boxes."""
+    from omegaconf import OmegaConf
+
+    from wapstable.config import CONF_DIR, DataConfig
+    from wapstable.data.crohme import Raster, read_inkml
+    from wapstable.data.latex import DataError
+
+    cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(CONF_DIR / "data" / "crohme.yaml"))
+    raster = Raster.of(cfg)
+    panels = []
+    for path in sorted(folder.rglob("*.inkml")):
+        try:
+            s = read_inkml(path, raster)
+        except DataError:
+            continue
+        if s.boxes is not None and 4 <= len(s.tokens) <= 20:
+            panels.append((s.image, s.boxes, s.tokens, f"CROHME {path.name}"))
+        if len(panels) == count:
+            break
+    if not panels:
+        raise UserError(f"--crohme {folder}: no InkML file there has traceGroups that match its label")
+    return panels
 
 
 def grad_report(out: Path, work: Path) -> Path:
@@ -194,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", type=Path, help="a finished run directory, for exprate-curve.png")
     p.add_argument("--checkpoint", type=Path, help="a trained checkpoint, for attention-*.png")
     p.add_argument("--work", type=Path, help="keep the tiny runs here (default: a temporary folder)")
+    p.add_argument(
+        "--crohme", type=Path, help="a folder of CROHME InkML: symbol-boxes.png shows 4 of its files"
+    )
     p.add_argument("--only", nargs="+", choices=FIGURES, default=list(FIGURES), help="draw only these")
     args = p.parse_args(argv)
     # Bad arguments fail before anything is trained or drawn.
@@ -215,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if "samples" in args.only:
             written.append(samples(args.out))
+        if "boxes" in args.only:
+            written.append(symbol_boxes(args.out, crohme=args.crohme))
         if "grad" in args.only:
             written.append(grad_report(args.out, work))
         if "sweep" in args.only:

@@ -29,9 +29,13 @@ class Batch(NamedTuple):
     targets: torch.Tensor  # (B, T) long, each label followed by <eol> = 0, padded with 0
     target_mask: torch.Tensor  # (B, T) float, 1 = real token (the <eol> included)
     ids: list[str]
+    # (B, T, 4) float: the box of the symbol each target token names, x0, y0, x1, y1 in the batch's pixels; NaN
+    # for <eol>, padding and tokens without ink; None when no sample of the batch has boxes (the attention guide)
+    regions: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "Batch":
-        return Batch(*(t.to(device, non_blocking=True) for t in self[:4]), self.ids)
+        regions = self.regions.to(device, non_blocking=True) if self.regions is not None else None
+        return Batch(*(t.to(device, non_blocking=True) for t in self[:4]), self.ids, regions)
 
 
 def load_splits(cfg_data, which: Sequence[str] = SPLITS) -> Splits:
@@ -207,6 +211,8 @@ def collate(samples: Sequence[Sample], vocab: Vocab) -> Batch:
     image_mask = np.zeros((b, h, w), dtype=np.float32)
     targets = np.zeros((b, t), dtype=np.int64)
     target_mask = np.zeros((b, t), dtype=np.float32)
+    with_boxes = any(s.boxes is not None for s in samples)
+    regions = np.full((b, t, 4), np.nan, dtype=np.float32) if with_boxes else None
     for k, s in enumerate(samples):
         sh, sw = s.image.shape
         images[k, 0, :sh, :sw] = s.image / 255.0
@@ -214,12 +220,15 @@ def collate(samples: Sequence[Sample], vocab: Vocab) -> Batch:
         ids = vocab.encode(s.tokens, where=f"the label of sample {s.id}")
         targets[k, : len(ids)] = ids
         target_mask[k, : len(ids) + 1] = 1.0
+        if with_boxes and s.boxes is not None:
+            regions[k, : len(ids)] = s.boxes  # images sit at the top left of the padded batch: same pixels
     return Batch(
         torch.from_numpy(images),
         torch.from_numpy(image_mask),
         torch.from_numpy(targets),
         torch.from_numpy(target_mask),
         [s.id for s in samples],
+        torch.from_numpy(regions) if with_boxes else None,
     )
 
 

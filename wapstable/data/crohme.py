@@ -28,7 +28,7 @@ from wapstable.data.latex import (
     on_data_error,
     tokenize_latex,
 )
-from wapstable.data.sample import Sample, Splits, data_root
+from wapstable.data.sample import Sample, Splits, data_root, no_boxes
 from wapstable.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,7 @@ def rasterize_traces(
     margin: int = 4,
     max_aspect: float = MAX_ASPECT,
     symbol_size: float = 0.0,
+    transform: list | None = None,
 ) -> np.ndarray:
     """Draw pen strokes as an (H, W) uint8 image, ink 255 on 0.
 
@@ -70,7 +71,8 @@ def rasterize_traces(
     vertically. With `symbol_size` > 0 the scale is kept instead: the median stroke (about one symbol) is drawn
     `symbol_size` px long and the image is as tall as the ink needs, up to `height` rows (taller ink is shrunk to
     fit). No image is wider than `max_aspect * height`. Strokes are polylines `line_width` px wide with round ends;
-    lone points are dots.
+    lone points are dots. A `transform` list gets (lo (2,), scale, offset (2,)): ink point p is drawn at pixel
+    (p - lo) * scale + offset.
     """
     box = height - 2 * margin
     if box < 1:
@@ -97,6 +99,8 @@ def rasterize_traces(
         box = height - 2 * margin
     y0 = margin + (box - ink_h * scale) / 2  # centre ink that ends up shorter than the box
 
+    if transform is not None:
+        transform.append((lo, scale, np.array([margin, y0])))
     img = Image.new("L", (width, height), 0)
     draw = ImageDraw.Draw(img)
     r = line_width / 2
@@ -167,7 +171,7 @@ def read_inkml(path: str | Path, raster: Raster) -> Sample:
     except (ET.ParseError, OSError) as e:
         raise DataError(f"{path}: not readable InkML ({e})", "malformed XML") from None
     tokens = read_truth(path, root)
-    traces = []
+    traces, by_id = [], {}
     for el in root.iter():
         if _local(el.tag) == "trace":
             try:
@@ -176,15 +180,106 @@ def read_inkml(path: str | Path, raster: Raster) -> Sample:
                 raise DataError(
                     f"{path}: trace {el.get('id')!r} is malformed: {e}", "malformed trace"
                 ) from None
+            by_id[el.get("id")] = traces[-1]
     if not any(len(t) for t in traces):
         raise DataError(f"{path}: no <trace> with points", "no ink")
+    transform = []
     try:
-        image = rasterize_traces(traces, raster.height, raster.line_width, symbol_size=raster.symbol_size)
+        image = rasterize_traces(
+            traces, raster.height, raster.line_width, symbol_size=raster.symbol_size, transform=transform
+        )
     except ValueError as e:
         raise DataError(f"{path}: cannot rasterise the traces: {e}", "no ink") from None
     if not image.any():
         raise DataError(f"{path}: the traces draw an empty image", "no ink")
-    return Sample(path.stem, image, tokens)
+    boxes = symbol_boxes(root, tokens, by_id, transform[0], raster.line_width, image.shape)
+    return Sample(path.stem, image, tokens, boxes)
+
+
+XML_ID = "{http://www.w3.org/XML/1998/namespace}id"
+INKLESS = frozenset({"{", "}", "^", "_"})  # tokens that draw nothing of their own
+MATHML_SYMBOLS = ("mi", "mn", "mo", "mtext")  # the elements that hold one written symbol
+MATHML_MARKS = (
+    "mfrac",
+    "msqrt",
+)  # a fraction's bar and a root's sign: written before their arguments in LaTeX
+
+
+def _mathml_order(root) -> list[str]:
+    """The xml:ids of the truth MathML's symbols in LaTeX's order: a fraction's bar and a root's sign before their
+    arguments, the rest in document order."""
+    math = next((a for a in root if _local(a.tag) == "annotationXML" and a.get("type") == "truth"), None)
+    out = []
+
+    def visit(el):
+        tag = _local(el.tag)
+        if (tag in MATHML_SYMBOLS or tag in MATHML_MARKS) and el.get(XML_ID):
+            out.append(el.get(XML_ID))
+        for child in el:
+            visit(child)
+
+    if math is not None:
+        visit(math)
+    return out
+
+
+def _inked(tokens: list[str]) -> list[int]:
+    """The indices of the tokens that draw a symbol: not braces, scripts' ^ and _, or a root index's [ ]."""
+    out, index_depth = [], 0
+    for i, tok in enumerate(tokens):
+        if tok == "[" and i and tokens[i - 1] == "\\sqrt":
+            index_depth = 1
+            continue
+        if index_depth and tok == "]":
+            index_depth = 0
+            continue
+        if tok not in INKLESS:
+            out.append(i)
+    return out
+
+
+def _same_symbol(token: str, truth: str) -> bool:
+    if token == "\\frac":
+        return truth in ("-", "\\frac", "\\over")
+    try:
+        return normalize_crohme(tokenize_latex(truth)) == [token]
+    except DataError:
+        return False
+
+
+def symbol_boxes(
+    root, tokens: list[str], traces: dict, transform, line_width: int, shape
+) -> np.ndarray | None:
+    """(len(tokens), 4) boxes x0, y0, x1, y1 in the image's pixels of each token's strokes, from the traceGroups
+    (each names one symbol's traces and its MathML element), NaN for tokens without ink; None when the symbols do
+    not match the tokens one to one (a file without traceGroups, a count or a symbol that differs)."""
+    groups = {}
+    for tg in root.iter():
+        if _local(tg.tag) != "traceGroup":
+            continue
+        href = next((c.get("href") for c in tg if _local(c.tag) == "annotationXML"), None)
+        truth = next((c.text for c in tg if _local(c.tag) == "annotation" and c.get("type") == "truth"), None)
+        refs = [c.get("traceDataRef") for c in tg if _local(c.tag) == "traceView"]
+        if href and truth and refs:
+            groups[href] = (truth.strip(), refs)
+    order, inked = _mathml_order(root), _inked(tokens)
+    if not groups or len(order) != len(inked):
+        return None
+    lo, scale, offset = transform
+    pad = line_width / 2 + 0.5
+    h, w = shape
+    boxes = no_boxes(len(tokens))
+    for i, ref in zip(inked, order):
+        if ref not in groups or not _same_symbol(tokens[i], groups[ref][0]):
+            return None
+        pts = [traces[t] for t in groups[ref][1] if t in traces and len(traces[t])]
+        if not pts:
+            return None
+        px = (np.concatenate(pts)[:, :2] - lo) * scale + offset
+        x0, y0 = px.min(0) - pad
+        x1, y1 = px.max(0) + pad
+        boxes[i] = (max(0.0, x0), max(0.0, y0), min(float(w), x1), min(float(h), y1))
+    return boxes
 
 
 class FolderRead(NamedTuple):
@@ -198,7 +293,9 @@ class FolderRead(NamedTuple):
         return dict(Counter(reason for reason, _ in self.errors))
 
 
-CACHE_FORMAT = 1  # bump whenever the reader, the normaliser or the rasteriser changes what a file gives
+# bump whenever the reader, the normaliser or the rasteriser changes what a file gives
+# 2: each sample's symbol boxes (from the traceGroups) are cached beside its pixels
+CACHE_FORMAT = 2
 
 
 def _folder_key(folder: Path, files: list[Path], raster: Raster) -> str:
@@ -215,6 +312,12 @@ def _save_folder(path: Path, read: FolderRead) -> None:
         "shapes": shapes,
         "pixels": pixels,
         "meta": np.array(json.dumps({"errors": read.errors, "total": read.total})),
+        # one row per token of every label in turn; a sample without boxes has NaN rows and has_boxes False
+        "boxes": np.concatenate(
+            [s.boxes if s.boxes is not None else no_boxes(len(s.tokens)) for s in read.samples]
+            or [no_boxes(0)]
+        ),
+        "has_boxes": np.array([s.boxes is not None for s in read.samples], dtype=bool),
     }
     write_npz(path, arrays)
 
@@ -225,7 +328,15 @@ def _load_folder(path: Path) -> FolderRead:
         ids, labels, images = z["ids"], z["tokens"], unpack_images(z["shapes"], z["pixels"])
         if not len(ids) == len(labels) == len(images):
             raise ValueError("the arrays do not agree")
-        samples = [Sample(str(i), im, str(t).split(" ")) for i, t, im in zip(ids, labels, images)]
+        tokens = [str(t).split(" ") for t in labels]
+        ends = np.cumsum([len(t) for t in tokens], dtype=np.int64)
+        boxes, has = z["boxes"], z["has_boxes"]
+        if boxes.shape != (int(ends[-1]) if len(ends) else 0, 4) or len(has) != len(ids):
+            raise ValueError("the boxes do not agree with the labels")
+        samples = [
+            Sample(str(i), im, t, boxes[end - len(t) : end] if ok else None)
+            for i, t, im, end, ok in zip(ids, tokens, images, ends, has)
+        ]
     return FolderRead(samples, [tuple(e) for e in meta["errors"]], int(meta["total"]))
 
 

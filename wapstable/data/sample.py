@@ -14,6 +14,14 @@ class Sample(NamedTuple):
     id: str
     image: np.ndarray  # (H, W) uint8, 0 = background, 255 = ink
     tokens: list[str]  # CROHME-style LaTeX tokens, e.g. ["\\frac", "{", "a", "}", "{", "b", "}"]
+    # Where each token is drawn: (len(tokens), 4) float32 x0, y0, x1, y1 in the image's pixels (x1, y1 exclusive);
+    # a NaN row for a token with no ink of its own ({, }, ^, _) or of unknown place. None: the source has none.
+    boxes: np.ndarray | None = None
+
+
+def no_boxes(n: int) -> np.ndarray:
+    """Boxes of `n` tokens that have no place in the image (all NaN)."""
+    return np.full((n, 4), np.nan, np.float32)
 
 
 class Splits(dict):

@@ -9,6 +9,7 @@ cached as an .npz under `cache_dir/synthetic/<hash of the parameters>/`.
 
 import hashlib
 import importlib.metadata
+import itertools
 import json
 import logging
 import math
@@ -23,16 +24,18 @@ import matplotlib
 import numpy as np
 import torch
 import torch.nn.functional as F
+from matplotlib import _mathtext
 from matplotlib.font_manager import FontProperties
 from matplotlib.mathtext import MathTextParser
 
 from wapstable.data.cache import pack_images, unpack_images, write_npz
-from wapstable.data.sample import Sample
+from wapstable.data.sample import Sample, no_boxes
 
 log = logging.getLogger(__name__)
 
 # bump whenever the grammar, the renderer or the cache layout changes what a config produces
-FORMAT_VERSION = 1
+# 2: each sample's symbol boxes are cached beside its pixels (the pixels are those of version 1)
+FORMAT_VERSION = 2
 SPLITS = ("train", "valid", "test")
 MARGIN = 4  # px of background kept around the ink
 FONTS = ("cm", "stix", "stixsans", "dejavuserif", "dejavusans")
@@ -253,11 +256,17 @@ def _font_properties(font: str, font_size: int) -> FontProperties:
     return FontProperties(size=font_size, math_fontfamily=font)
 
 
-def _crop(img: np.ndarray, margin: int = MARGIN) -> np.ndarray:
+def _crop(img: np.ndarray, margin: int = MARGIN, boxes: np.ndarray | None = None):
+    """The image cropped to its ink plus `margin`; with `boxes` (K, 4), also the boxes moved along with it."""
     rows, cols = np.flatnonzero(img.any(1)), np.flatnonzero(img.any(0))
+    top = left = 0
     if rows.size:
+        top, left = int(rows[0]), int(cols[0])
         img = img[rows[0] : rows[-1] + 1, cols[0] : cols[-1] + 1]
-    return np.pad(img, margin)
+    img = np.pad(img, margin)
+    if boxes is None:
+        return img
+    return img, boxes + np.array([margin - left, margin - top] * 2, np.float32)
 
 
 def _smooth_field(rng: np.random.Generator, h: int, w: int, sigma: float) -> torch.Tensor:
@@ -276,7 +285,33 @@ def _smooth_field(rng: np.random.Generator, h: int, w: int, sigma: float) -> tor
     return F.interpolate(noise, size=(h, w), mode="bilinear", align_corners=True)[:, 0] / step
 
 
-def _augment(img: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+def _box_masks(boxes: np.ndarray, h: int, w: int) -> torch.Tensor:
+    """(K, h, w) float masks, 1 on the pixels each box (x0, y0, x1, y1, edges in pixels) covers."""
+    ys = torch.arange(h, dtype=torch.float32)[None, :, None] + 0.5
+    xs = torch.arange(w, dtype=torch.float32)[None, None, :] + 0.5
+    b = torch.from_numpy(np.nan_to_num(boxes, nan=-1.0).astype(np.float32))[:, :, None, None]
+    inside = (xs >= b[:, 0]) & (xs < b[:, 2]) & (ys >= b[:, 1]) & (ys < b[:, 3])
+    return inside.float()
+
+
+def _mask_boxes(masks: torch.Tensor, boxes: np.ndarray) -> np.ndarray:
+    """The boxes enclosing each warped mask (K, h, w) where it is at least 0.3; NaN where a mask vanished or the
+    box had none to begin with."""
+    out = np.full((len(masks), 4), np.nan, np.float32)
+    on = masks >= 0.3
+    rows, cols = on.any(2), on.any(1)  # (K, h), (K, w)
+    for k in range(len(masks)):
+        r, c = torch.nonzero(rows[k]).flatten(), torch.nonzero(cols[k]).flatten()
+        if r.numel() and not np.isnan(boxes[k, 0]):
+            out[k] = (int(c[0]), int(r[0]), int(c[-1]) + 1, int(r[-1]) + 1)
+    return out
+
+
+def _augment(img: np.ndarray, rng: np.random.Generator, boxes: np.ndarray | None = None):
+    """The image bent by `rng` (affine, elastic, blur); with `boxes` (K, 4), also the boxes bent alike: each box's
+    filled rectangle is warped by the very same affine and elastic grids as the pixels, and the box enclosing the
+    warped rectangle is kept (so the elastic part is exact at the box's pixels, not only at its corners). The
+    random draws are the same with and without boxes, so the image is too."""
     # Every parameter comes from `rng` rather than torch's global generator, so an image depends only on its
     # own seed: no fork_rng, no state leaking between samples or workers.
     # torchvision is imported here, not at the top: its import takes 1.5 s (it loads torch._dynamo), and a run whose
@@ -287,14 +322,19 @@ def _augment(img: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     h, w = img.shape
     pad = 8 + int(0.12 * max(h, w))  # room for the ends of a wide line to rotate and shear into
     x = torch.from_numpy(np.pad(img, pad).astype(np.float32))[None]
-    x = TF.affine(
-        x,
+    masks = None
+    if boxes is not None and len(boxes):
+        masks = _box_masks(boxes + pad, *x.shape[-2:])
+    affine = dict(
         angle=float(rng.uniform(-3.0, 3.0)),
         translate=[0.0, 0.0],
         scale=float(rng.uniform(0.9, 1.1)),
         shear=[float(rng.uniform(-12.0, 12.0)), float(rng.uniform(-3.0, 3.0))],
         interpolation=InterpolationMode.BILINEAR,
     )
+    x = TF.affine(x, **affine)
+    if masks is not None:
+        masks = TF.affine(masks, **affine)
     if rng.random() < 0.7:
         # torchvision's ElasticTransform: a smooth random field, scaled by alpha, in grid units of [-1, 1]
         hh, ww = x.shape[-2:]
@@ -302,12 +342,176 @@ def _augment(img: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         d = _smooth_field(rng, hh, ww, sigma)
         displacement = torch.stack([d[0] * (alpha / ww), d[1] * (alpha / hh)], dim=-1)[None]
         x = TF.elastic(x, displacement, interpolation=InterpolationMode.BILINEAR)
+        if masks is not None:
+            masks = TF.elastic(masks, displacement, interpolation=InterpolationMode.BILINEAR)
     if rng.random() < 0.3:
         s = float(rng.uniform(0.3, 0.8))
         x = TF.gaussian_blur(x, [3, 3], [s, s])
     out = x[0].round_().clamp_(0, 255).to(torch.uint8).numpy()
     out[out < 8] = 0  # faint interpolation dust would otherwise widen the crop
-    return out
+    if boxes is None:
+        return out
+    return out, (_mask_boxes(masks, boxes) if masks is not None else boxes.copy())
+
+
+# -----------------------------------------------------------------------------
+# where each token is: the glyphs and rules mathtext lays out, matched to the tokens that made them
+
+INKLESS = frozenset({"{", "}", "^", "_"})  # tokens that draw nothing of their own
+
+_box_sink: list | None = None  # inside _collect_boxes, render() appends each image's token boxes here
+box_failures = 0  # expressions whose layout could not be matched to their tokens (their boxes are all NaN)
+
+
+class _Recorder:
+    """Hooks on mathtext's layout while one expression is parsed. Every Char and Rule gets a creation number: the
+    parser creates a symbol's Char as it reads the symbol, and a fraction's bar or a root's sign when it has read
+    their arguments, so creation order follows the tokens (see _creation_order). Every ship() records where it
+    put each Char and Rule; the last ship of a parse is the one that draws the image (to_raster's, already moved
+    into the image's coordinates). The hooks are removed when the parse ends."""
+
+    def __init__(self):
+        self.count = itertools.count()
+        self.items: list[tuple[int, str, tuple, str]] = []  # (creation number, "g" or "r", box, symbol)
+
+    @contextmanager
+    def on(self):
+        rec, M = self, _mathtext
+        saved = (M.Char.__init__, M.Rule.__init__, M.Char.render, M.Rule.render, M.ship)
+        char_init, rule_init, char_render, rule_render, ship = saved
+
+        def new_char_init(node, *args, **kwargs):
+            char_init(node, *args, **kwargs)
+            node._wap_seq = next(rec.count)
+
+        def new_rule_init(node, *args, **kwargs):
+            rule_init(node, *args, **kwargs)
+            node._wap_seq = next(rec.count)
+
+        def new_char_render(node, output, *args, **kwargs):
+            n = len(output.glyphs)
+            char_render(node, output, *args, **kwargs)
+            for ox, oy, info in output.glyphs[n:]:
+                m = info.metrics
+                box = (ox + m.xmin, oy - m.ymax, ox + m.xmax, oy - m.ymin)
+                rec.items.append((getattr(node, "_wap_seq", -1), "g", box, node.c))
+
+        def new_rule_render(node, output, x, y, w, h):
+            rule_render(node, output, x, y, w, h)
+            rec.items.append((getattr(node, "_wap_seq", -1), "r", (x, y - h, x + w, y), ""))
+
+        def new_ship(*args, **kwargs):
+            rec.items = []
+            return ship(*args, **kwargs)
+
+        M.Char.__init__, M.Rule.__init__ = new_char_init, new_rule_init
+        M.Char.render, M.Rule.render, M.ship = new_char_render, new_rule_render, new_ship
+        try:
+            yield self
+        finally:
+            M.Char.__init__, M.Rule.__init__, M.Char.render, M.Rule.render, M.ship = saved
+
+
+def _creation_order(tokens: list[str]) -> list[tuple[int, str]] | None:
+    """(token index, "g" glyph or "r" rule) in the order mathtext creates the nodes it draws: a symbol where it
+    stands, a fraction's bar after its denominator, a root's sign and bar after its radicand. None for an
+    unbalanced label."""
+    order: list[tuple[int, str]] = []
+    groups: list[
+        tuple[int | None, int]
+    ] = []  # open { ... }: (the structure it belongs to, its groups after it)
+    pending: tuple[int, int] | None = None  # a structure waiting for its next group: (index, groups left)
+    for i, tok in enumerate(tokens):
+        if tok == "{":
+            if pending is not None:
+                groups.append((pending[0], pending[1] - 1))
+                pending = None
+            else:
+                groups.append((None, 0))
+        elif tok == "}":
+            if not groups:
+                return None
+            owner, after = groups.pop()
+            if owner is not None and after:
+                pending = (owner, after)
+            elif owner is not None:
+                order += [(owner, "g"), (owner, "r")] if tokens[owner] == "\\sqrt" else [(owner, "r")]
+        elif tok == "\\frac":
+            pending = (i, 2)
+        elif tok == "\\sqrt":
+            pending = (i, 1)
+        elif tok not in INKLESS:
+            order.append((i, "g"))
+    return order if not groups and pending is None else None
+
+
+def _same_symbol(token: str, c: str) -> bool:
+    return c == token or c == token.lstrip("\\") or token == "-" and c == "\N{MINUS SIGN}"
+
+
+def _ink_box(box, img: np.ndarray) -> tuple[float, float, float, float]:
+    """The box of the ink within `box` grown by 1 px (the font's metrics are not the pixels it draws)."""
+    h, w = img.shape
+    x0, y0 = max(0, math.floor(box[0]) - 1), max(0, math.floor(box[1]) - 1)
+    x1, y1 = min(w, math.ceil(box[2]) + 1), min(h, math.ceil(box[3]) + 1)
+    sub = img[y0:y1, x0:x1]
+    rows, cols = np.flatnonzero(sub.any(1)), np.flatnonzero(sub.any(0))
+    if not rows.size:
+        return (x0, y0, max(x1, x0 + 1), max(y1, y0 + 1))
+    return (x0 + cols[0], y0 + rows[0], x0 + cols[-1] + 1, y0 + rows[-1] + 1)
+
+
+def _token_boxes(tokens: list[str], items: list, img: np.ndarray) -> np.ndarray | None:
+    """(len(tokens), 4) boxes x0, y0, x1, y1 in `img`'s pixels, NaN for a token without ink; None when the layout
+    does not match the tokens one to one (a count or a symbol differs)."""
+    order = _creation_order(tokens)
+    nodes = sorted(items, key=lambda item: item[0])
+    if order is None or [kind for _, kind in order] != [item[1] for item in nodes]:
+        return None
+    boxes = no_boxes(len(tokens))
+    for (i, kind), (_, _, box, c) in zip(order, nodes):
+        if tokens[i] == "\\sqrt":
+            if kind == "g":  # the sign marks the root; its bar spans the radicand, whose own tokens are there
+                boxes[i] = _ink_box(box, img)
+            continue
+        if kind == "g" and not _same_symbol(tokens[i], c):
+            return None
+        boxes[i] = _ink_box(box, img)
+    return boxes
+
+
+@contextmanager
+def _collect_boxes():
+    """Inside, every render() also computes the boxes of its tokens and appends them to the yielded list."""
+    global _box_sink
+    before, _box_sink = _box_sink, []
+    try:
+        yield _box_sink
+    finally:
+        _box_sink = before
+
+
+def _parse(
+    tokens: list[str], font: str, font_size: int, record: bool
+) -> tuple[np.ndarray, np.ndarray | None]:
+    global _parser, box_failures
+    if _parser is None:
+        _parser = MathTextParser("agg")
+    source, prop = tokens_to_mathtext(tokens), _font_properties(font, font_size)
+    if not record:
+        return np.asarray(_parser.parse(source, dpi=72, prop=prop).image, dtype=np.uint8), None
+    MathTextParser._parse_cached.cache_clear()  # a cached parse lays nothing out, so it records nothing
+    recorder = _Recorder()
+    try:
+        with recorder.on():
+            img = np.asarray(_parser.parse(source, dpi=72, prop=prop).image, dtype=np.uint8)
+        boxes = _token_boxes(tokens, recorder.items, img)
+    except AttributeError:  # a matplotlib whose mathtext internals differ: the image, without boxes
+        img, boxes = _parse(tokens, font, font_size, record=False)[0], None
+    if boxes is None:
+        box_failures += 1
+        boxes = no_boxes(len(tokens))
+    return img, boxes
 
 
 def render(
@@ -316,30 +520,50 @@ def render(
     """A (H, W) uint8 image of `tokens`, ink 255 on 0, cropped to the ink plus a small margin.
 
     `font` is a mathtext font set (cm, stix, stixsans, dejavuserif, dejavusans). With `augment`, the image is
-    randomly bent by `rng` (None = a fresh unseeded generator, for previews).
+    randomly bent by `rng` (None = a fresh unseeded generator, for previews). Inside `_collect_boxes()` the
+    boxes of the tokens (render_boxes) are computed too, moved through the same crops and warps; the image is the
+    same either way.
     """
-    global _parser
-    if _parser is None:
-        _parser = MathTextParser("agg")
-    parsed = _parser.parse(tokens_to_mathtext(tokens), dpi=72, prop=_font_properties(font, font_size))
-    img = np.asarray(parsed.image, dtype=np.uint8)
+    img, boxes = _parse(tokens, font, font_size, record=_box_sink is not None)
     if augment:
-        img = _augment(_crop(img, 0), rng if rng is not None else np.random.default_rng())
-    return _crop(img)
+        rng = rng if rng is not None else np.random.default_rng()
+        if boxes is None:
+            img = _augment(_crop(img, 0), rng)
+        else:
+            img, boxes = _crop(img, 0, boxes)
+            img, boxes = _augment(img, rng, boxes)
+    if boxes is None:
+        return _crop(img)
+    img, boxes = _crop(img, MARGIN, boxes)
+    _box_sink.append(boxes)
+    return img
+
+
+def render_boxes(
+    tokens: list[str], font: str, font_size: int, rng: np.random.Generator | None, augment: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """render()'s image and its tokens' boxes (len(tokens), 4): x0, y0, x1, y1 in pixels (x1, y1 exclusive),
+    NaN rows for tokens without ink of their own ({, }, ^, _) or when the layout could not be matched."""
+    with _collect_boxes() as sink:
+        img = render(tokens, font, font_size, rng, augment)
+    return img, sink[0]
 
 
 # -----------------------------------------------------------------------------
 # splits and cache
 
 
-def _render_chunk(job: tuple) -> list[np.ndarray]:
+def _render_chunk(job: tuple) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+    """(image, token boxes) of each label of the job, and how many layouts did not match their tokens."""
     split_code, start, labels, fonts, font_size, augment, seed = job
-    out = []
-    for i, tokens in enumerate(labels, start):
-        rng = _rng(seed, _RENDER, split_code, i)
-        font = fonts[int(rng.integers(len(fonts)))]
-        out.append(render(tokens, font, font_size, rng, augment))
-    return out
+    out, failures = [], box_failures
+    with _collect_boxes() as sink:
+        for i, tokens in enumerate(labels, start):
+            rng = _rng(seed, _RENDER, split_code, i)
+            font = fonts[int(rng.integers(len(fonts)))]
+            image = render(tokens, font, font_size, rng, augment)
+            out.append((image, sink.pop() if sink else no_boxes(len(tokens))))
+    return out, box_failures - failures
 
 
 def _worker_init() -> None:
@@ -357,7 +581,7 @@ def _single_thread():
         torch.set_num_threads(n)
 
 
-def _render_all(labels: dict[str, list[list[str]]], cfg, params: dict) -> dict[str, list[np.ndarray]]:
+def _render_all(labels: dict[str, list[list[str]]], cfg, params: dict) -> dict[str, list[tuple]]:
     total = sum(len(v) for v in labels.values())
     workers = int(cfg.render_workers or 0)
     chunk = max(1, min(256, math.ceil(total / max(1, 4 * workers))))
@@ -379,9 +603,14 @@ def _render_all(labels: dict[str, list[list[str]]], cfg, params: dict) -> dict[s
             results = pool.map(_render_chunk, jobs, chunksize=1)
     dt = time.perf_counter() - t0
     log.info("rendered %d images in %.1f s (%.0f images/s)", total, dt, total / max(dt, 1e-9))
+    failures = sum(n for _, n in results)
+    if failures:
+        log.warning(
+            "%d of %d layouts did not match their tokens: those images have no symbol boxes", failures, total
+        )
     images = {split: [] for split in SPLITS}
-    for split, imgs in zip(owners, results):
-        images[split] += imgs
+    for split, (rendered, _) in zip(owners, results):
+        images[split] += rendered
     return images
 
 
@@ -416,6 +645,9 @@ def _save(path: Path, splits: dict[str, list[Sample]], params: dict) -> None:
     for split, samples in splits.items():
         arrays[f"{split}_shapes"], arrays[f"{split}_pixels"] = pack_images([s.image for s in samples])
         arrays[f"{split}_tokens"] = np.array([" ".join(s.tokens) for s in samples], dtype=str)
+        # one row per token of every label in turn: x0, y0, x1, y1 in pixels, NaN for a token without ink
+        boxes = [s.boxes if s.boxes is not None else no_boxes(len(s.tokens)) for s in samples]
+        arrays[f"{split}_boxes"] = np.concatenate(boxes) if boxes else no_boxes(0)
     write_npz(path, arrays, compress=True)
 
 
@@ -429,9 +661,14 @@ def _load(path: Path, params: dict) -> dict[str, list[Sample]]:
             if len(shapes) != params[f"num_{split}"] or len(labels) != len(shapes):
                 raise ValueError(f"{split} holds {len(shapes)} samples, expected {params[f'num_{split}']}")
             images = unpack_images(shapes, pixels)
+            tokens = [str(label).split(" ") for label in labels]
+            boxes = z[f"{split}_boxes"]
+            ends = np.cumsum([len(t) for t in tokens], dtype=np.int64)
+            if boxes.shape != (int(ends[-1]) if len(ends) else 0, 4):
+                raise ValueError(f"{split} holds {len(boxes)} token boxes for {ends[-1]} tokens")
             splits[split] = [
-                Sample(f"{split}-{i:06d}", image, str(label).split(" "))
-                for i, (image, label) in enumerate(zip(images, labels))
+                Sample(f"{split}-{i:06d}", image, t, boxes[end - len(t) : end])
+                for i, (image, t, end) in enumerate(zip(images, tokens, ends))
             ]
     return splits
 
@@ -463,7 +700,8 @@ def build_splits(cfg) -> dict[str, list[Sample]]:
     images = _render_all(labels, cfg, params)
     splits = {
         split: [
-            Sample(f"{split}-{i:06d}", im, t) for i, (im, t) in enumerate(zip(images[split], labels[split]))
+            Sample(f"{split}-{i:06d}", im, t, boxes)
+            for i, ((im, boxes), t) in enumerate(zip(images[split], labels[split]))
         ]
         for split in SPLITS
     }

@@ -1,4 +1,5 @@
-"""The WAP loss of a batch: the sequence loss, CAN's counting loss, and the forward that computes them.
+"""The WAP loss of a batch: the sequence loss, CAN's counting loss, the attention guide, and the forward that
+computes them.
 
 Used by the trainer, by the anomaly replay and by the benchmark; the step's backward, decision, clipping and
 optimizer step are `wapstable.stability.StepGuard`'s.
@@ -23,17 +24,87 @@ def counting_loss(counts: torch.Tensor, targets: torch.Tensor, target_mask: torc
     return F.smooth_l1_loss(counts[:, 1:], truth[:, 1:], reduction="sum") / targets.shape[0]
 
 
+def guide_weight(guide: dict | None, step: int) -> float:
+    """The attention guide's weight at `step`: `weight`, falling linearly from step fade_start to 0 at fade_end
+    (fade_end 0: no fade); 0 without a guide."""
+    if not guide:
+        return 0.0
+    start, end = guide["fade_start"], guide["fade_end"]
+    if end <= 0 or step <= start:
+        return guide["weight"]
+    return guide["weight"] * max(0.0, (end - step) / (end - start))
+
+
+def guide_targets(regions: torch.Tensor, grid: tuple[int, int], stride: int) -> torch.Tensor:
+    """How much of each token's box falls in each annotation cell: (B, T, h, w), in pixels squared.
+
+    regions (B, T, 4) are boxes x0, y0, x1, y1 in the image's pixels (NaN: none); annotation cell (i, j) covers
+    pixels [stride*i, stride*(i+1)) x [stride*j, stride*(j+1)) (the watcher's ceil-mode pools)."""
+    h, w = grid
+    r = torch.nan_to_num(regions.float(), nan=0.0)
+    ys = torch.arange(h, device=r.device, dtype=r.dtype) * stride
+    xs = torch.arange(w, device=r.device, dtype=r.dtype) * stride
+    ox = (torch.minimum(r[..., 2:3], xs + stride) - torch.maximum(r[..., 0:1], xs)).clamp_min(0)  # (B, T, w)
+    oy = (torch.minimum(r[..., 3:4], ys + stride) - torch.maximum(r[..., 1:2], ys)).clamp_min(0)  # (B, T, h)
+    return oy.unsqueeze(-1) * ox.unsqueeze(-2)
+
+
+def guide_loss(
+    alphas: torch.Tensor, regions: torch.Tensor, target_mask: torch.Tensor, stride: int, kind: str = "inside"
+) -> torch.Tensor:
+    """The attention guide: for every target token with a box, a loss on that step's attention alphas (B, T, h, w)
+    summed over the tokens of each label and averaged over the batch, like the sequence loss (tokens without a
+    box, <eol> and padding add nothing).
+
+    inside: -log of the attention mass on the cells the box touches (0 when all of it is there). kl: KL(q || alpha),
+    q being the box's share of each cell (0 when the attention spreads over the box as its area does)."""
+    a = alphas.float()
+    area = guide_targets(regions, a.shape[-2:], stride)
+    total = area.sum((-2, -1))
+    use = torch.isfinite(regions).all(-1) & (total > 0) & (target_mask > 0)  # (B, T)
+    if kind == "inside":
+        mass = (a * (area > 0).to(a.dtype)).sum((-2, -1))
+        per_token = -torch.log(mass + 1e-6)
+    elif kind == "kl":
+        q = area / total.clamp_min(1e-12)[..., None, None]
+        per_token = (q * (torch.log(q + 1e-12) - torch.log(a + 1e-6))).sum((-2, -1))
+    else:
+        raise ValueError(f"model.attention.guide.kind must be inside or kl (got {kind!r})")
+    return torch.where(use, per_token, torch.zeros_like(per_token)).sum() / alphas.shape[0]
+
+
 def forward_loss(model, batch, fault=None, step: int = -1, precision: str = "32"):
     """The training loss of one batch, with `fault` applied when given (an object with `batch(images, step)` and
     `loss(loss, step)`, as `wapstable.stability.faults.Fault`; used by training and by replay):
-    the sequence loss, plus `model.counting` x the counting loss when the model has a counting head."""
+    the sequence loss, plus `model.counting` x the counting loss when the model has a counting head, plus the
+    attention guide's weight at `step` x the guide loss when the model has a guide and the batch symbol boxes
+    (its unweighted value is left in the model's `guide_value`, for the logs; None when not computed)."""
     images = fault.batch(batch.images, step) if fault else batch.images
     core = model.module if hasattr(model, "module") else model  # DDP wraps the WAP
     weight = float(getattr(core, "counting_weight", 0.0))
+    guide = getattr(core, "guide", None)
+    regions = getattr(batch, "regions", None)
+    g_weight = guide_weight(guide, step) if regions is not None else 0.0
+    if hasattr(core, "guide_value"):
+        core.guide_value = None
     with autocast(images.device, precision):
-        out = model(images, batch.image_mask, batch.targets, batch.target_mask, with_counts=weight > 0)
-    logits, counts = out if weight > 0 else (out, None)
+        if g_weight > 0:
+            logits, counts, alphas = model(
+                images,
+                batch.image_mask,
+                batch.targets,
+                batch.target_mask,
+                with_counts=weight > 0,
+                with_alphas=True,
+            )
+        else:
+            out = model(images, batch.image_mask, batch.targets, batch.target_mask, with_counts=weight > 0)
+            logits, counts = out if weight > 0 else (out, None)
     loss = sequence_loss(logits, batch.targets, batch.target_mask)
     if counts is not None:
         loss = loss + weight * counting_loss(counts, batch.targets, batch.target_mask)
+    if g_weight > 0:
+        g = guide_loss(alphas, regions, batch.target_mask, core.watcher.stride, guide["kind"])
+        core.guide_value = g.detach()
+        loss = loss + g_weight * g
     return fault.loss(loss, step) if fault else loss

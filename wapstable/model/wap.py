@@ -229,7 +229,14 @@ class WAP(nn.Module):
 
     select_state = staticmethod(select_state)
 
-    def __init__(self, watcher: nn.Module, parser: Parser, vocab_size: int, counting: float = 0.0):
+    def __init__(
+        self,
+        watcher: nn.Module,
+        parser: Parser,
+        vocab_size: int,
+        counting: float = 0.0,
+        guide: dict | None = None,
+    ):
         super().__init__()
         self.watcher = watcher
         self.parser = parser
@@ -240,6 +247,10 @@ class WAP(nn.Module):
         self.counter = nn.Conv2d(watcher.out_channels, vocab_size, 1) if counting > 0 else None
         if self.counter is not None:  # start near "no symbol here" (sigmoid(-4) = 0.018), not 0.5 everywhere
             nn.init.constant_(self.counter.bias, -4.0)
+        # The attention guide (model.attention.guide with a weight > 0): a training loss only, no parameters;
+        # wapstable.model.loss reads it, and leaves its last unweighted value in guide_value for the logs.
+        self.guide = guide
+        self.guide_value: Tensor | None = None
 
     def output_layer_names(self) -> list[str]:
         """Dotted names of the output layer's parameters (adaptive gradient clipping leaves them alone)."""
@@ -279,26 +290,33 @@ class WAP(nn.Module):
         targets: Tensor,
         target_mask: Tensor | None = None,
         with_counts: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+        with_alphas: bool = False,
+    ) -> Tensor | tuple:
         """Teacher-forced logits (B, T, V): step t reads targets[:, t-1] (the start token at t=0).
 
         targets (B, T) end with `<eol>` = 0 and are padded after it; `target_mask` (B, T) is accepted for a uniform
         call but not needed: the parser is causal, so steps past the end change nothing before it, and the loss
         drops them. `with_counts` (a model with a counting head) also returns the predicted symbol counts (B, V).
+        `with_alphas` returns (logits, counts or None, alphas (B, T, h, w)): every step's attention, for the
+        attention guide.
         """
         features, feat_mask = self.encode(images, image_mask)
         counts = self.count(features, feat_mask) if with_counts and self.counter is not None else None
         state = self.init_state(features, feat_mask)
         start = targets.new_full((targets.size(0), 1), self.start_index)
         emb = self.parser.embed(torch.cat([start, targets[:, :-1]], 1))  # (B, T, E)
-        hs, contexts = [], []
+        hs, contexts, alphas = [], [], []
         for t in range(targets.size(1)):
-            h, context, state, _ = self.parser.recur(state, emb[:, t])
+            h, context, state, alpha = self.parser.recur(state, emb[:, t])
             hs.append(h)
             contexts.append(context)
+            if with_alphas:
+                alphas.append(alpha)
         # The readout feeds nothing back into the recurrence, so teacher forcing runs it once over all steps:
         # the same logits as step() gives, with a third fewer ops in the per-token loop.
         logits = self.parser.readout_logits(torch.stack(hs, 1), emb, torch.stack(contexts, 1))
+        if with_alphas:
+            return logits, counts, torch.stack(alphas, 1)
         return (logits, counts) if with_counts else logits
 
 
@@ -326,4 +344,12 @@ def build_model(cfg_model, vocab_size: int) -> WAP:
     counting = float(getattr(c, "counting", 0.0) or 0.0)  # absent from older checkpoints' configs
     if counting < 0:
         raise ValueError(f"model.counting={counting} must be >= 0 (0 turns the counting loss off)")
-    return WAP(watcher, Parser(c, watcher.out_channels, vocab_size), vocab_size, counting=counting)
+    g = getattr(c.attention, "guide", None)  # absent from older checkpoints' configs
+    guide = None
+    if g is not None and float(g.weight) > 0:
+        guide = dict(
+            weight=float(g.weight), kind=str(g.kind), fade_start=int(g.fade_start), fade_end=int(g.fade_end)
+        )
+    return WAP(
+        watcher, Parser(c, watcher.out_channels, vocab_size), vocab_size, counting=counting, guide=guide
+    )

@@ -314,7 +314,9 @@ def replay(state: dict, device="cpu", overrides: dict | None = None) -> dict:
     device = resolve_device(str(device))
     step = int(anomaly["step"])
     b = anomaly["batch"]
-    batch = Batch(b["images"], b["image_mask"], b["targets"], b["target_mask"], list(b["ids"])).to(device)
+    batch = Batch(
+        b["images"], b["image_mask"], b["targets"], b["target_mask"], list(b["ids"]), b.get("regions")
+    ).to(device)
     # The batch is that of the rank that saw the anomaly (rank 0 without DDP): replay that rank's share of the fault.
     fault = Fault(cfg.fault, int(anomaly.get("batch_rank", 0)))
     precision = OmegaConf.select(cfg, "trainer.precision", default="32")

@@ -10,7 +10,7 @@ import logging
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from wapstable.checkpoint import load_checkpoint
 from wapstable.config import Config, checkpoint_config
@@ -23,6 +23,10 @@ from wapstable.stability.gradstats import validate_stats_config
 from wapstable.train.loggers import check_logger_config
 
 log = logging.getLogger("wapstable")
+GUIDED_SOURCES = (
+    "synthetic",
+    "crohme",
+)  # the data sources whose samples carry symbol boxes (model.attention.guide)
 
 
 def validate_config(cfg: DictConfig) -> None:
@@ -49,6 +53,7 @@ def validate_config(cfg: DictConfig) -> None:
         )
     if not (0 < g.lr_backoff <= 1 and 0 < g.clip_backoff <= 1):
         raise UserError("guard.lr_backoff and guard.clip_backoff must be in (0, 1]: a rollback lowers them")
+    validate_guide_config(cfg)
     d = cfg.data
     if d.curriculum_epochs < 0:
         raise UserError(f"data.curriculum_epochs={d.curriculum_epochs} must be >= 0 (0 = no curriculum)")
@@ -56,6 +61,31 @@ def validate_config(cfg: DictConfig) -> None:
         raise UserError("data.pixel_budget and data.max_batch must be positive")
     if cfg.decode.max_len <= 0 or cfg.decode.beam_size <= 0 or cfg.decode.final_beam_size <= 0:
         raise UserError("decode.max_len, decode.beam_size and decode.final_beam_size must be positive")
+
+
+def validate_guide_config(cfg: DictConfig) -> None:
+    """model.attention.guide: a weight >= 0 and a fade that ends after it starts; a warning when the data has no
+    symbol boxes (the guide then adds nothing)."""
+    guide = OmegaConf.select(cfg, "model.attention.guide")
+    if guide is None:
+        return
+    if not guide.weight >= 0:
+        raise UserError(f"model.attention.guide.weight={guide.weight} must be >= 0 (0 turns the guide off)")
+    if guide.fade_start < 0:
+        raise UserError(f"model.attention.guide.fade_start={guide.fade_start} must be a step >= 0")
+    if guide.fade_end < 0 or 0 < guide.fade_end <= guide.fade_start:
+        raise UserError(
+            f"model.attention.guide.fade_end={guide.fade_end} must be 0 (no fade) or a step after "
+            f"model.attention.guide.fade_start={guide.fade_start}"
+        )
+    if guide.weight > 0 and cfg.data.name not in GUIDED_SOURCES:
+        log.warning(
+            "model.attention.guide.weight=%s does nothing on data=%s, which has no symbol boxes (data=%s have "
+            "them); set model.attention.guide.weight=0 to say so",
+            guide.weight,
+            cfg.data.name,
+            " and data=".join(GUIDED_SOURCES),
+        )
 
 
 def resolve_resume(cfg: DictConfig, run_dir: Path) -> Path | None:

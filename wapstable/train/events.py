@@ -16,10 +16,10 @@ from wapstable.checkpoint import load_checkpoint, save_checkpoint
 from wapstable.device import autocast
 from wapstable.eval.attention_maps import attention_pictures
 from wapstable.eval.evaluation import combine_sets, evaluate_samples, score_test_sets
-from wapstable.model.loss import sequence_loss
+from wapstable.model.loss import guide_weight, sequence_loss
 from wapstable.stability.guard import grad_figures
 from wapstable.stability.step_guard import StepResult
-from wapstable.train.loggers import build_loggers
+from wapstable.train.loggers import GUIDE_SCALARS, build_loggers
 from wapstable.train.signals import StopSignals
 from wapstable.train.state import Best
 
@@ -54,20 +54,36 @@ class RunEvents:
 
     def log_step(self, out: StepResult, progress) -> None:
         lr = self.optimizer.param_groups[0]["lr"]
+        # the attention guide's unweighted loss of this step (part of out.loss), when the guide is on
+        value = getattr(self.model, "guide_value", None)
+        guide = float(value) if value is not None else None
         if self.dist.is_main:
             self.scalar("train/loss", out.loss, self.step)
             self.scalar("train/grad_norm", out.grad_norm, self.step)
             self.scalar("train/lr", lr, self.step)
             self.scalar("train/clipped", float(out.clipped), self.step)
             self.scalar("train/skipped", float(out.skipped), self.step)
+            if guide is not None:
+                self.scalar("train/guide", guide, self.step)
+            if getattr(self.model, "guide", None):
+                self.scalar("train/guide_weight", guide_weight(self.model.guide, self.step), self.step)
         if progress is not None:
             progress.update(1)
             if self.step % self.cfg.trainer.log_every == 0 or out.skipped:
+                extra = {"guide": f"{guide:.3f}"} if guide is not None else {}
                 progress.set_postfix(
-                    loss=f"{out.loss:.3f}", gnorm=f"{out.grad_norm:.3g}", skipped=self.budget.total
+                    loss=f"{out.loss:.3f}", **extra, gnorm=f"{out.grad_norm:.3g}", skipped=self.budget.total
                 )
+        self.last_guide = guide  # the evaluation's line in train.log says it
         if self.step % self.cfg.trainer.log_every == 0:
-            log.debug("step %d loss %.4f grad_norm %.4g lr %.3g", self.step, out.loss, out.grad_norm, lr)
+            log.debug(
+                "step %d loss %.4f grad_norm %.4g lr %.3g%s",
+                self.step,
+                out.loss,
+                out.grad_norm,
+                lr,
+                f" attention guide {guide:.4f}" if guide is not None else "",
+            )
 
     def progress_bar(self):
         t = self.cfg.trainer
@@ -119,6 +135,8 @@ class RunEvents:
             f"step {self.step}: valid ExpRate {result['exprate']:.2f}%  WER {result['wer']:.2f}%  "
             f"loss {result['loss']:.3f}"
         )
+        if getattr(self, "last_guide", None) is not None:  # the last training step's, unweighted
+            message += f"  (train: attention guide {self.last_guide:.3f})"
         if progress is not None:
             progress.write(message)
         log.info(message)
@@ -168,7 +186,7 @@ class RunEvents:
             record["ranks"] = self.dist.ranks_with(seen)
             src = record["ranks"][0] if record["ranks"] else 0
             if src != 0:  # rank 0 writes the checkpoint: it takes the batch and loss of the rank that saw it
-                mine = (type(batch)(*(t.cpu() for t in batch[:4]), batch.ids), result.loss, result.reason)
+                mine = (batch.to(torch.device("cpu")), result.loss, result.reason)
                 theirs = self.dist.from_rank(src, mine if self.dist.rank == src else None)
                 batch, record["loss"], record["reason"] = theirs
             record["batch_rank"] = src  # replay applies that rank's share of the fault
@@ -188,6 +206,7 @@ class RunEvents:
                 "targets": batch.targets.cpu(),
                 "target_mask": batch.target_mask.cpu(),
                 "ids": list(batch.ids),
+                "regions": batch.regions.cpu() if getattr(batch, "regions", None) is not None else None,
             },
             "grad_norms": per_layer_norm,
             "nonfinite_counts": per_layer_bad,
@@ -213,7 +232,8 @@ class RunEvents:
         """The loggers of `cfg.logger` (the main rank only); the gradient statistics log through them too."""
         if self.dist.is_main and self.loggers is None:
             config = OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True)
-            self.loggers = build_loggers(self.cfg.logger, self.run_dir, config)
+            extra = GUIDE_SCALARS if getattr(self.model, "guide", None) else []
+            self.loggers = build_loggers(self.cfg.logger, self.run_dir, config, extra)
             self.stats.loggers = self.loggers
 
     def scalar(self, tag: str, value: float, step: int) -> None:

@@ -34,6 +34,9 @@ SCALARS = [
     "guard/rollback",  # the number of rollbacks so far, at each rollback
     "test/exprate",  # at the end: the best checkpoint, beam decode.final_beam_size
 ]
+# Logged only by a run with the attention guide on (model.attention.guide.weight > 0): its unweighted loss and its
+# weight at the step. Apart from SCALARS so that the CSV of a run without the guide keeps its columns.
+GUIDE_SCALARS = ["train/guide", "train/guide_weight"]
 # The modules a logger needs beyond the base install, and where to get them.
 EXTRA_MODULES = {"mlflow": "mlflow", "wandb": "wandb"}
 
@@ -203,14 +206,15 @@ class Loggers:
     skipped step's NaN loss): `train/skipped` says what happened.
     """
 
-    def __init__(self, backends: list):
+    def __init__(self, backends: list, tags: list[str] = SCALARS):
         self.backends = backends
+        self.tags = set(tags)
         self.tensorboard = next((b.writer for b in backends if isinstance(b, TensorBoardLogger)), None)
         self.step: int | None = None
         self.pending: dict[str, float] = {}
 
     def scalar(self, tag: str, value: float | None, step: int) -> None:
-        assert tag in SCALARS, f"{tag} is not in loggers.SCALARS"
+        assert tag in self.tags, f"{tag} is not in loggers.SCALARS"
         if value is None or not math.isfinite(value):
             return
         if step != self.step:
@@ -254,9 +258,10 @@ def flatten(config: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
-def build_loggers(cfg_logger, run_dir: Path, config: dict) -> Loggers:
+def build_loggers(cfg_logger, run_dir: Path, config: dict, extra: list[str] = ()) -> Loggers:
     """The loggers `cfg.logger` names, writing under `run_dir`; `config` (the run's resolved config as a dict)
-    goes to MLflow's params and wandb's config."""
+    goes to MLflow's params and wandb's config; `extra` tags are logged beside SCALARS (GUIDE_SCALARS)."""
+    tags = [*SCALARS, *extra]
     check_logger_config(cfg_logger)
     run_dir = Path(run_dir)
     # outputs/DATE/TIME -> DATE/TIME; in a sweep, TIME/JOB
@@ -267,7 +272,7 @@ def build_loggers(cfg_logger, run_dir: Path, config: dict) -> Loggers:
         if name == "tensorboard":
             backends.append(TensorBoardLogger(run_dir / opts.dir))
         elif name == "csv":
-            backends.append(CsvLogger(run_dir / opts.file))
+            backends.append(CsvLogger(run_dir / opts.file, tags))
         elif name == "mlflow":
             run_name = opts.run_name or default_name
             backends.append(
@@ -277,4 +282,4 @@ def build_loggers(cfg_logger, run_dir: Path, config: dict) -> Loggers:
             backends.append(
                 WandbLogger(run_dir, opts.project, opts.mode, opts.entity, opts.name or default_name, config)
             )
-    return Loggers(backends)
+    return Loggers(backends, tags)
