@@ -40,6 +40,17 @@ TINY = [
     "trainer.threads=1",
 ]
 
+# An lr spike at step 4, accepted, makes the loss of step 5 a spike that guard.skip_spikes skips (after 3 warm-up
+# steps, at a z-score of 3): the tests of spike skips, in the trainer and across a resume.
+SPIKE_AT_STEP_5 = [
+    "guard.skip_spikes=true",
+    "guard.spike_warmup=3",
+    "guard.spike_zscore=3",
+    "fault=lr_spike",
+    "fault.step=4",
+    "fault.scale=1e3",
+]
+
 
 def compose_config(overrides=(), run_dir=None):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -47,6 +58,16 @@ def compose_config(overrides=(), run_dir=None):
     if run_dir is not None:
         cfg.run_dir = str(run_dir)
     return cfg
+
+
+def build_trainer(overrides, run_dir, cache_dir):
+    """The real Trainer, in this process, from the composed config with `overrides`, reading the session's data
+    cache: for tests that drive its steps themselves."""
+    from wapstable.train.loop import Trainer
+
+    cfg = compose_config(overrides, run_dir=run_dir)
+    cfg.data.cache_dir = str(cache_dir)
+    return Trainer(cfg)
 
 
 @pytest.fixture(scope="session")
@@ -134,6 +155,22 @@ def python_run(cmd, cwd=ROOT, env=None, timeout=600) -> subprocess.CompletedProc
     if fresh:
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     return ZYGOTE.run([str(a) for a in cmd[1:]], cwd, env, timeout)
+
+
+def require_extra(module: str, extra: str):
+    """Import a module of an optional extra (`sweep`, `loggers`). Missing, it FAILS the test, not skips it: `make
+    test` installs the extras (dev includes them), so a missing one is a broken environment whose tests must not
+    quietly vanish."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        pytest.fail(
+            f"{module} is not installed ({e}); it is in the {extra} extra, which the tests need: "
+            "pip install -e '.[dev]' (or make test, which installs it)",
+            pytrace=False,
+        )
 
 
 def run_train(args, run_dir, cache_dir, check=True, timeout=600, env_extra=None, tiny=True):

@@ -4,10 +4,9 @@ N/2 more end, every tensor and counter of the training state equal. In process, 
 
 import pytest
 import torch
-from conftest import TINY, assert_identical, compose_config
+from conftest import SPIKE_AT_STEP_5, TINY, assert_identical, build_trainer
 
 from wapstable.checkpoint import load_checkpoint
-from wapstable.train.loop import Trainer
 
 N = 8
 COMMON = [
@@ -23,12 +22,7 @@ CASES = {
     # An lr spike at step 4 (the first step after the resume) makes step 5's loss a spike, which only the window
     # of steps 0-4 can tell: a resumed run with an empty window would take it.
     "spike_window": [
-        "guard.skip_spikes=true",
-        "guard.spike_warmup=3",
-        "guard.spike_zscore=3",
-        "fault=lr_spike",
-        "fault.step=4",
-        "fault.scale=1e3",
+        *SPIKE_AT_STEP_5,
         "guard.max_consecutive_skips=10",
     ],
     # fp16 on the CPU: the GradScaler's scale and growth tracker go on where they were.
@@ -39,9 +33,7 @@ KEYS = ("step", "model", "optimizer", "scheduler", "scaler", "guard", "counters"
 
 
 def fit(run_dir, cache_dir, *overrides):
-    cfg = compose_config([*COMMON, *overrides], run_dir=run_dir)
-    cfg.data.cache_dir = str(cache_dir)
-    Trainer(cfg).fit()
+    build_trainer([*COMMON, *overrides], run_dir, cache_dir).fit()
     return load_checkpoint(run_dir / "checkpoints" / "last.pt")
 
 

@@ -6,17 +6,14 @@ import math
 
 import pytest
 import torch
-from conftest import TINY, assert_identical, compose_config, run_train
+from conftest import SPIKE_AT_STEP_5, TINY, assert_identical, build_trainer, run_train
 
 from wapstable.stability.guard import SkipBudget, SpikeDetector
 from wapstable.stability.step_guard import Outcome
-from wapstable.train.loop import Trainer
 
 
 def make_trainer(tmp_path, cache_dir, *overrides):
-    cfg = compose_config([*TINY, *overrides], run_dir=tmp_path / "run")
-    cfg.data.cache_dir = str(cache_dir)
-    return Trainer(cfg)
+    return build_trainer([*TINY, *overrides], tmp_path / "run", cache_dir)
 
 
 def snapshot(trainer):
@@ -128,12 +125,7 @@ def test_spike_detector_and_budget():
 def test_skip_spikes_through_train(tmp_path, cache_dir):
     run = tmp_path / "run"
     args = [
-        "guard.skip_spikes=true",
-        "guard.spike_warmup=3",
-        "guard.spike_zscore=3",
-        "fault=lr_spike",
-        "fault.step=4",
-        "fault.scale=1e3",
+        *SPIKE_AT_STEP_5,
         "trainer.max_steps=8",
         "guard.max_consecutive_skips=10",
     ]
@@ -211,12 +203,7 @@ def test_a_spike_skip_changes_nothing(tmp_path, cache_dir):
     trainer = make_trainer(
         tmp_path,
         cache_dir,
-        "guard.skip_spikes=true",
-        "guard.spike_warmup=3",
-        "guard.spike_zscore=3",
-        "fault=lr_spike",
-        "fault.step=4",
-        "fault.scale=1e3",
+        *SPIKE_AT_STEP_5,
         "clip=autoclip",
         "trainer.max_steps=8",
     )

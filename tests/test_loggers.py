@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, TINY, run_train
+from conftest import ROOT, TINY, require_extra, run_train
 from omegaconf import OmegaConf
 
 from wapstable.config import CsvLoggerConfig, LoggerConfig
@@ -29,21 +29,6 @@ ROLLBACK = [
     "guard.on_budget_exhausted=rollback",
     "stats.every=1",
 ]
-
-
-def require(module: str):
-    """Import a module of the loggers extra. Missing, it FAILS the test, not skips it: `make test` installs the
-    extra (dev includes it), so a missing one is a broken environment whose tests must not quietly vanish."""
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        pytest.fail(
-            f"{module} is not installed ({e}); logger={module} is in the loggers extra, which the tests need: "
-            "pip install -e '.[dev]' (or make test, which installs it)",
-            pytrace=False,
-        )
 
 
 def read_csv(path) -> dict[str, dict[int, float]]:
@@ -111,8 +96,8 @@ def read_wandb(run_dir) -> dict[str, dict[int, float]]:
 
 
 def test_every_logger_gets_the_same_scalars(tmp_path, cache_dir, monkeypatch):
-    require("mlflow")
-    require("wandb")
+    require_extra("mlflow", "loggers")
+    require_extra("wandb", "loggers")
     run = tmp_path / "run"
     run_train([*ROLLBACK, "logger=[tensorboard,csv,mlflow,wandb]"], run, cache_dir)
 
@@ -173,7 +158,7 @@ def test_csv_alone_writes_no_tensorboard(tmp_path, cache_dir):
 
 
 def test_mlflow_resumes_the_run_in_its_run_directory(tmp_path, monkeypatch):
-    require("mlflow")
+    require_extra("mlflow", "loggers")
     from wapstable.train.loggers import MlflowLogger
 
     first = MlflowLogger(tmp_path, None, "wapstable", "a/run", {"seed": "0"})

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, run_multirun, run_train
+from conftest import ROOT, TINY, require_extra, run_multirun, run_train
 
 from wapstable.checkpoint import load_checkpoint, save_checkpoint
 from wapstable.train.build import resolve_resume
@@ -299,12 +299,7 @@ def test_sigusr2_checkpoints_exits_for_requeue_and_resumes_bit_identical(tmp_pat
 def test_a_preempted_submitit_job_requeues_itself_and_finishes_bit_identical(tmp_path, cache_dir):
     """fault=preempt sends the job SIGUSR2 in step 5 under Hydra's submitit launcher: the trainer writes last.pt,
     submitit's handler requeues the job (its checkpoint hook), and the requeued job resumes with resume=auto."""
-    try:  # in the sweep extra, which make test installs: a missing one fails here, it does not skip
-        import hydra_plugins.hydra_submitit_launcher  # noqa: F401
-    except ImportError as e:
-        pytest.fail(
-            f"{e}: the submitit launcher is in the sweep extra: pip install -e '.[dev]'", pytrace=False
-        )
+    require_extra("hydra_plugins.hydra_submitit_launcher", "sweep")
     straight = tmp_path / "straight"
     run_train(COMMON, straight, cache_dir)
     sweep = tmp_path / "sweep"

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 import torch.nn as nn
-from conftest import ROOT, TINY, assert_identical, compose_config, run_train
+from conftest import ROOT, TINY, assert_identical, build_trainer, run_train
 from omegaconf import OmegaConf
 
 from wapstable.checkpoint import load_checkpoint, rng_state
@@ -17,7 +17,6 @@ from wapstable.cli import replay_anomaly
 from wapstable.errors import UserError
 from wapstable.model.wap import build_model
 from wapstable.stability.replay import replay, summarize, trace_nonfinite
-from wapstable.train.loop import Trainer
 
 SHORT = ["trainer.max_steps=4", "trainer.eval_every=4", "trainer.checkpoint_every=4", "fault.step=1"]
 NAIVE = ["model.attention.stable=false", "fault=attention_overflow", "guard.max_consecutive_skips=10", *SHORT]
@@ -225,9 +224,7 @@ def test_replay_recomputes_the_trainers_step_bit_for_bit(tmp_path, cache_dir):
     common = [*TINY, "model.dropout=0.3", "guard.localize=false", "logger=[]", "trainer.max_steps=4"]
 
     def trainer(name, *overrides):
-        cfg = compose_config([*common, *overrides], run_dir=tmp_path / name)
-        cfg.data.cache_dir = str(cache_dir)
-        return Trainer(cfg)
+        return build_trainer([*common, *overrides], tmp_path / name, cache_dir)
 
     faulty = trainer("faulty", "fault=nan_input", "fault.step=2")
     results = [faulty.train_one() for _ in range(3)]

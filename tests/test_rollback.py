@@ -5,9 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import TINY, assert_identical, compose_config, run_multirun, run_train
-
-from wapstable.train.loop import Trainer
+from conftest import TINY, assert_identical, build_trainer, run_multirun, run_train
 
 SPIKE = [
     "fault=lr_spike",
@@ -214,9 +212,7 @@ def test_a_rollback_restores_the_snapshot_bit_for_bit(tmp_path, cache_dir):
     ]
 
     def trainer(name):
-        cfg = compose_config(common, run_dir=tmp_path / name)
-        cfg.data.cache_dir = str(cache_dir)
-        return Trainer(cfg)
+        return build_trainer(common, tmp_path / name, cache_dir)
 
     def training_state(t):
         return copy.deepcopy(

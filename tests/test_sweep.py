@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import yaml
-from conftest import ROOT, TINY, python_run
+from conftest import ROOT, TINY, python_run, require_extra
 from hydra import compose, initialize_config_dir
 
 spec = importlib.util.spec_from_file_location("summarize_sweep", ROOT / "scripts" / "summarize_sweep.py")
@@ -17,26 +17,13 @@ summarize_sweep = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(summarize_sweep)
 
 
-def require(module: str):
-    """Import a module of the sweep extra. Missing, it FAILS the test, not skips it: `make test` installs the
-    extra (dev includes it), so a missing one is a broken environment whose tests must not quietly vanish."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        pytest.fail(
-            f"{module} is not installed ({e}); it is in the sweep extra, which the tests need: "
-            "pip install -e '.[dev]' (or make test, which installs it)",
-            pytrace=False,
-        )
-
-
 def needs(plugin: str):
-    return require(f"hydra_plugins.{plugin}")
+    return require_extra(f"hydra_plugins.{plugin}", "sweep")
 
 
 def needs_optuna():
     """The Optuna sweeper (hydra_plugins/wapstable_optuna) ships with wapstable; Optuna is in the sweep extra."""
-    return require("optuna")
+    return require_extra("optuna", "sweep")
 
 
 def trial_states(storage: str, study: str = "wapstable") -> list[str]:

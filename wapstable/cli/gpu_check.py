@@ -315,7 +315,7 @@ def check_fp16_overflow(ctx: Check, t: Trainer) -> tuple[str, str]:
 
 
 class SyncCounter:
-    """Host synchronisations while counting, and how many of them were inside `GradScaler.step`.
+    """Host synchronisations while counting, and the code lines that made them.
 
     CUDA: `torch.cuda.set_sync_debug_mode("warn")` makes every synchronising call warn; the warnings are counted.
     CPU: there is no device to wait for, so every call that copies a tensor's value to the host (item, tolist,
@@ -328,36 +328,19 @@ class SyncCounter:
 
     def __init__(self, cuda: bool):
         self.cuda = cuda
-        self.total = self.in_scaler = 0
+        self.total = 0
         self.where: Counter[str] = Counter()
 
     @contextlib.contextmanager
-    def counting(self, scaler: torch.amp.GradScaler):
-        """Count while the block runs; `scaler.step` is watched so that its own reads are told apart."""
-        counted_before = [0]
-
-        def watched_step(*args, **kwargs):
-            counted_before[0] = self._count()
-            try:
-                return type(scaler).step(scaler, *args, **kwargs)
-            finally:
-                self.in_scaler += self._count() - counted_before[0]
-
-        scaler.step = watched_step
-        try:
-            with self._cuda_warnings() if self.cuda else self._tensor_reads():
-                yield self
-        finally:
-            del scaler.step
-
-    def _count(self) -> int:
-        return len([w for w in self._caught if _is_sync(w)]) if self.cuda else self.total
+    def counting(self):
+        """Count while the block runs."""
+        with self._cuda_warnings() if self.cuda else self._tensor_reads():
+            yield self
 
     @contextlib.contextmanager
     def _cuda_warnings(self):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            self._caught = caught
             torch.cuda.set_sync_debug_mode("warn")
             try:
                 yield
@@ -407,7 +390,7 @@ def count_syncs(ctx: Check, t: Trainer, steps: int) -> tuple[SyncCounter, list[S
     """Host syncs over `steps` guarded normal steps of `t`, its batches already on the device."""
     batches = [batch(t) for _ in range(steps)]
     ctx.sync()
-    with SyncCounter(ctx.cuda).counting(t.scaler) as counter:  # no explicit synchronize inside
+    with SyncCounter(ctx.cuda).counting() as counter:  # no explicit synchronize inside
         results = [step(t, b) for b in batches]
     ctx.sync()
     return counter, results
@@ -423,8 +406,6 @@ def check_syncs(ctx: Check, t: Trainer) -> tuple[str, str]:
     figure = f"{own:g}/step"
     how = "set_sync_debug_mode" if ctx.cuda else "CPU: host reads of tensors"
     detail = f"{how}, {n} steps"
-    if counter.in_scaler:  # the guard steps the optimizer itself once it knows the gradients are finite
-        detail += f"; {counter.in_scaler / n:g}/step inside GradScaler.step"
     if own > 1:
         where = ", ".join(f"{k} x{v}" for k, v in counter.where.most_common(4))
         raise CheckFailed(f"more than one per step (target <= 1): {where}; {detail}", figure)
