@@ -81,6 +81,11 @@ class ModelConfig:
     # maps each annotation to per-symbol densities whose sum over the image is regressed on the label's symbol
     # counts. It teaches the watcher to find every symbol from the first step; decoding does not use it. 0 = off.
     counting: float = 0.0
+    # Weight of the symbol map (docs/guidance.md): a 1x1 conv over the watcher's annotations classifies each cell as
+    # the symbol whose box covers it (or background), trained on the data's symbol boxes, so the watcher learns
+    # what each symbol looks like from every cell of every image instead of only through the parser's loss.
+    # Decoding does not use it; batches without boxes skip it. 0 = off.
+    symbol_map: float = 0.0
     attention: AttentionConfig = field(default_factory=AttentionConfig)
 
 

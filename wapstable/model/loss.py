@@ -73,6 +73,27 @@ def guide_loss(
     return torch.where(use, per_token, torch.zeros_like(per_token)).sum() / alphas.shape[0]
 
 
+def symbol_map_loss(
+    logits: torch.Tensor, feat_mask: torch.Tensor, regions: torch.Tensor, targets: torch.Tensor, stride: int
+) -> torch.Tensor:
+    """The symbol map's loss: each annotation cell's cross-entropy against the symbols whose boxes cover it, in
+    proportion to the area they cover, the rest of the cell being background (class 0, the `<eol>` row), summed over
+    the valid cells of each image and averaged over the batch. logits (B, V, h, w), feat_mask (B, h, w), regions
+    (B, T, 4) and targets (B, T). Images without any box (their data does not know where their symbols are) add
+    nothing; so does a token without one (`{`, `^`, or one the data could not place)."""
+    B, V, h, w = logits.shape
+    area = guide_targets(regions, (h, w), stride)  # (B, T, h, w), 0 for a token without a box
+    cover = torch.zeros(B, V, h, w, device=logits.device, dtype=area.dtype)
+    cover.scatter_add_(1, targets[:, :, None, None].expand(-1, -1, h, w), area)
+    background = (float(stride * stride) - cover.sum(1)).clamp_min(0.0)  # the cell's area no box covers
+    cover[:, 0] += background
+    q = cover / cover.sum(1, keepdim=True).clamp_min(1e-12)
+    ce = -(q * F.log_softmax(logits.float(), 1)).sum(1)  # (B, h, w)
+    has_boxes = torch.isfinite(regions).all(-1).any(-1)  # (B,)
+    use = feat_mask.float() * has_boxes[:, None, None].float()
+    return (ce * use).sum() / B
+
+
 def forward_loss(model, batch, fault=None, step: int = -1, precision: str = "32"):
     """The training loss of one batch, with `fault` applied when given (an object with `batch(images, step)` and
     `loss(loss, step)`, as `wapstable.stability.faults.Fault`; used by training and by replay):
@@ -85,17 +106,20 @@ def forward_loss(model, batch, fault=None, step: int = -1, precision: str = "32"
     guide = getattr(core, "guide", None)
     regions = getattr(batch, "regions", None)
     g_weight = guide_weight(guide, step) if regions is not None else 0.0
+    s_weight = float(getattr(core, "symbol_map_weight", 0.0)) if regions is not None else 0.0
     if hasattr(core, "guide_value"):
         core.guide_value = None
+        core.symbol_map_value = None
     with autocast(images.device, precision):
-        if g_weight > 0:
-            logits, counts, alphas = model(
+        if g_weight > 0 or s_weight > 0:
+            logits, counts, alphas, symbols = model(
                 images,
                 batch.image_mask,
                 batch.targets,
                 batch.target_mask,
                 with_counts=weight > 0,
-                with_alphas=True,
+                with_alphas=g_weight > 0,
+                with_symbols=s_weight > 0,
             )
         else:
             out = model(images, batch.image_mask, batch.targets, batch.target_mask, with_counts=weight > 0)
@@ -107,4 +131,8 @@ def forward_loss(model, batch, fault=None, step: int = -1, precision: str = "32"
         g = guide_loss(alphas, regions, batch.target_mask, core.watcher.stride, guide["kind"])
         core.guide_value = g.detach()
         loss = loss + g_weight * g
+    if s_weight > 0:
+        m = symbol_map_loss(*symbols, regions, batch.targets, core.watcher.stride)
+        core.symbol_map_value = m.detach()
+        loss = loss + s_weight * m
     return fault.loss(loss, step) if fault else loss

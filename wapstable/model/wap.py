@@ -9,6 +9,7 @@ of valid pixels.
 """
 
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -224,6 +225,17 @@ class Parser(nn.Module):
         return self.readout_logits(h, emb, context), new, alpha
 
 
+class TrainOutputs(NamedTuple):
+    """What a teacher-forced forward returns when asked for more than logits (see WAP.forward)."""
+
+    logits: Tensor  # (B, T, V)
+    counts: Tensor | None  # (B, V), the counting head's symbol counts
+    alphas: Tensor | None  # (B, T, h, w), every step's attention
+    symbols: (
+        tuple[Tensor, Tensor] | None
+    )  # the symbol map's logits (B, V, h, w) and the annotations' mask (B, h, w)
+
+
 class WAP(nn.Module):
     """Watcher (VGG or DenseNet encoder) + Parser (coverage-attention conditional GRU)."""
 
@@ -236,6 +248,7 @@ class WAP(nn.Module):
         vocab_size: int,
         counting: float = 0.0,
         guide: dict | None = None,
+        symbol_map: float = 0.0,
     ):
         super().__init__()
         self.watcher = watcher
@@ -247,16 +260,23 @@ class WAP(nn.Module):
         self.counter = nn.Conv2d(watcher.out_channels, vocab_size, 1) if counting > 0 else None
         if self.counter is not None:  # start near "no symbol here" (sigmoid(-4) = 0.018), not 0.5 everywhere
             nn.init.constant_(self.counter.bias, -4.0)
+        # The symbol map (model.symbol_map > 0): each annotation classified as a symbol or background (row 0, the
+        # <eol> row, which no box names), trained on the symbol boxes; in training only, like the counting head.
+        self.symbol_map_weight = float(symbol_map)
+        self.symbol_head = nn.Conv2d(watcher.out_channels, vocab_size, 1) if symbol_map > 0 else None
         # The attention guide (model.attention.guide with a weight > 0): a training loss only, no parameters;
         # wapstable.model.loss reads it, and leaves its last unweighted value in guide_value for the logs.
         self.guide = guide
         self.guide_value: Tensor | None = None
+        self.symbol_map_value: Tensor | None = None  # the symbol map's last unweighted loss, for the logs
 
     def output_layer_names(self) -> list[str]:
         """Dotted names of the output layer's parameters (adaptive gradient clipping leaves them alone)."""
         names = [f"parser.out.{n}" for n, _ in self.parser.out.named_parameters()]
-        if self.counter is not None:
-            names += [f"counter.{n}" for n, _ in self.counter.named_parameters()]
+        for name in ("counter", "symbol_head"):
+            head = getattr(self, name)
+            if head is not None:
+                names += [f"{name}.{n}" for n, _ in head.named_parameters()]
         return names
 
     def scale_energies(self, scale: float) -> None:
@@ -291,17 +311,22 @@ class WAP(nn.Module):
         target_mask: Tensor | None = None,
         with_counts: bool = False,
         with_alphas: bool = False,
+        with_symbols: bool = False,
     ) -> Tensor | tuple:
         """Teacher-forced logits (B, T, V): step t reads targets[:, t-1] (the start token at t=0).
 
         targets (B, T) end with `<eol>` = 0 and are padded after it; `target_mask` (B, T) is accepted for a uniform
         call but not needed: the parser is causal, so steps past the end change nothing before it, and the loss
         drops them. `with_counts` (a model with a counting head) also returns the predicted symbol counts (B, V).
-        `with_alphas` returns (logits, counts or None, alphas (B, T, h, w)): every step's attention, for the
-        attention guide.
+        `with_alphas` or `with_symbols` return TrainOutputs(logits, counts, alphas, symbols), the ones not asked for
+        None: alphas (B, T, h, w) are every step's attention, for the attention guide; symbols are the symbol map's
+        logits (B, V, h, w) and the annotations' mask (B, h, w), for the symbol-map loss.
         """
         features, feat_mask = self.encode(images, image_mask)
         counts = self.count(features, feat_mask) if with_counts and self.counter is not None else None
+        symbols = None
+        if with_symbols and self.symbol_head is not None:
+            symbols = (self.symbol_head(features), feat_mask)
         state = self.init_state(features, feat_mask)
         start = targets.new_full((targets.size(0), 1), self.start_index)
         emb = self.parser.embed(torch.cat([start, targets[:, :-1]], 1))  # (B, T, E)
@@ -315,8 +340,8 @@ class WAP(nn.Module):
         # The readout feeds nothing back into the recurrence, so teacher forcing runs it once over all steps:
         # the same logits as step() gives, with a third fewer ops in the per-token loop.
         logits = self.parser.readout_logits(torch.stack(hs, 1), emb, torch.stack(contexts, 1))
-        if with_alphas:
-            return logits, counts, torch.stack(alphas, 1)
+        if with_alphas or with_symbols:
+            return TrainOutputs(logits, counts, torch.stack(alphas, 1) if with_alphas else None, symbols)
         return (logits, counts) if with_counts else logits
 
 
@@ -350,6 +375,14 @@ def build_model(cfg_model, vocab_size: int) -> WAP:
         guide = dict(
             weight=float(g.weight), kind=str(g.kind), fade_start=int(g.fade_start), fade_end=int(g.fade_end)
         )
+    symbol_map = float(getattr(c, "symbol_map", 0.0) or 0.0)  # absent from older checkpoints' configs
+    if symbol_map < 0:
+        raise ValueError(f"model.symbol_map={symbol_map} must be >= 0 (0 turns the symbol map off)")
     return WAP(
-        watcher, Parser(c, watcher.out_channels, vocab_size), vocab_size, counting=counting, guide=guide
+        watcher,
+        Parser(c, watcher.out_channels, vocab_size),
+        vocab_size,
+        counting=counting,
+        guide=guide,
+        symbol_map=symbol_map,
     )

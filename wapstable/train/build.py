@@ -64,8 +64,8 @@ def validate_config(cfg: DictConfig) -> None:
 
 
 def validate_guide_config(cfg: DictConfig) -> None:
-    """model.attention.guide: a weight >= 0 and a fade that ends after it starts; a warning when the data has no
-    symbol boxes (the guide then adds nothing)."""
+    """model.attention.guide: a weight >= 0 and a fade that ends after it starts; model.symbol_map >= 0; a warning
+    when either is on and the data has no symbol boxes (it then adds nothing)."""
     guide = OmegaConf.select(cfg, "model.attention.guide")
     if guide is None:
         return
@@ -77,6 +77,17 @@ def validate_guide_config(cfg: DictConfig) -> None:
         raise UserError(
             f"model.attention.guide.fade_end={guide.fade_end} must be 0 (no fade) or a step after "
             f"model.attention.guide.fade_start={guide.fade_start}"
+        )
+    symbol_map = OmegaConf.select(cfg, "model.symbol_map", default=0.0)
+    if not symbol_map >= 0:
+        raise UserError(f"model.symbol_map={symbol_map} must be >= 0 (0 turns the symbol map off)")
+    if symbol_map > 0 and cfg.data.name not in GUIDED_SOURCES:
+        log.warning(
+            "model.symbol_map=%s does nothing on data=%s, which has no symbol boxes (data=%s have them); set "
+            "model.symbol_map=0 to say so",
+            symbol_map,
+            cfg.data.name,
+            " and data=".join(GUIDED_SOURCES),
         )
     if guide.weight > 0 and cfg.data.name not in GUIDED_SOURCES:
         log.warning(
@@ -221,13 +232,21 @@ def check_model_compatible(model: torch.nn.Module, state: dict, path: Path) -> N
 
 
 # The parameters with one row per token (the embedding has one more, the start token, last).
-VOCAB_ROWS = {"parser.embed.weight", "parser.out.weight", "parser.out.bias", "counter.weight", "counter.bias"}
+VOCAB_ROWS = {
+    "parser.embed.weight",
+    "parser.out.weight",
+    "parser.out.bias",
+    "counter.weight",
+    "counter.bias",
+    "symbol_head.weight",
+    "symbol_head.bias",
+}
 
 
 def init_from(model: torch.nn.Module, path: str | Path, vocab: Vocab) -> dict:
     """Load the weights of checkpoint `path` into `model` (init_from=CKPT: weights only, no optimizer, step or
-    schedule), matching token rows by name when the vocabularies differ: the embedding, output and counting rows of
-    a token both vocabularies have are copied, a new token's rows keep their fresh initialisation.
+    schedule), matching token rows by name when the vocabularies differ: the embedding, output, counting and symbol-map
+    rows of a token both vocabularies have are copied, a new token's rows keep their fresh initialisation.
 
     Refuses (UserError) a checkpoint of another model: a parameter missing, or of another shape beyond the
     vocabulary's rows. Returns what was loaded: {"tensors", "tokens_shared", "tokens_new"}.

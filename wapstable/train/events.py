@@ -19,7 +19,7 @@ from wapstable.eval.evaluation import combine_sets, evaluate_samples, score_test
 from wapstable.model.loss import guide_weight, sequence_loss
 from wapstable.stability.guard import grad_figures
 from wapstable.stability.step_guard import StepResult
-from wapstable.train.loggers import GUIDE_SCALARS, build_loggers
+from wapstable.train.loggers import GUIDE_SCALARS, SYMBOL_MAP_SCALARS, build_loggers
 from wapstable.train.signals import StopSignals
 from wapstable.train.state import Best
 
@@ -57,6 +57,8 @@ class RunEvents:
         # the attention guide's unweighted loss of this step (part of out.loss), when the guide is on
         value = getattr(self.model, "guide_value", None)
         guide = float(value) if value is not None else None
+        value = getattr(self.model, "symbol_map_value", None)  # the symbol map's, likewise
+        symbols = float(value) if value is not None else None
         if self.dist.is_main:
             self.scalar("train/loss", out.loss, self.step)
             self.scalar("train/grad_norm", out.grad_norm, self.step)
@@ -67,22 +69,28 @@ class RunEvents:
                 self.scalar("train/guide", guide, self.step)
             if getattr(self.model, "guide", None):
                 self.scalar("train/guide_weight", guide_weight(self.model.guide, self.step), self.step)
+            if symbols is not None:
+                self.scalar("train/symbol_map", symbols, self.step)
         if progress is not None:
             progress.update(1)
             if self.step % self.cfg.trainer.log_every == 0 or out.skipped:
                 extra = {"guide": f"{guide:.3f}"} if guide is not None else {}
+                if symbols is not None:
+                    extra["symbols"] = f"{symbols:.3f}"
                 progress.set_postfix(
                     loss=f"{out.loss:.3f}", **extra, gnorm=f"{out.grad_norm:.3g}", skipped=self.budget.total
                 )
-        self.last_guide = guide  # the evaluation's line in train.log says it
+        self.last_guide = guide  # the evaluation's line in train.log says them
+        self.last_symbols = symbols
         if self.step % self.cfg.trainer.log_every == 0:
             log.debug(
-                "step %d loss %.4f grad_norm %.4g lr %.3g%s",
+                "step %d loss %.4f grad_norm %.4g lr %.3g%s%s",
                 self.step,
                 out.loss,
                 out.grad_norm,
                 lr,
                 f" attention guide {guide:.4f}" if guide is not None else "",
+                f" symbol map {symbols:.4f}" if symbols is not None else "",
             )
 
     def progress_bar(self):
@@ -135,8 +143,13 @@ class RunEvents:
             f"step {self.step}: valid ExpRate {result['exprate']:.2f}%  WER {result['wer']:.2f}%  "
             f"loss {result['loss']:.3f}"
         )
-        if getattr(self, "last_guide", None) is not None:  # the last training step's, unweighted
-            message += f"  (train: attention guide {self.last_guide:.3f})"
+        train = []  # the last training step's auxiliary losses, unweighted
+        if getattr(self, "last_guide", None) is not None:
+            train.append(f"attention guide {self.last_guide:.3f}")
+        if getattr(self, "last_symbols", None) is not None:
+            train.append(f"symbol map {self.last_symbols:.3f}")
+        if train:
+            message += f"  (train: {', '.join(train)})"
         if progress is not None:
             progress.write(message)
         log.info(message)
@@ -232,7 +245,9 @@ class RunEvents:
         """The loggers of `cfg.logger` (the main rank only); the gradient statistics log through them too."""
         if self.dist.is_main and self.loggers is None:
             config = OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True)
-            extra = GUIDE_SCALARS if getattr(self.model, "guide", None) else []
+            extra = list(GUIDE_SCALARS) if getattr(self.model, "guide", None) else []
+            if getattr(self.model, "symbol_head", None) is not None:
+                extra += SYMBOL_MAP_SCALARS
             self.loggers = build_loggers(self.cfg.logger, self.run_dir, config, extra)
             self.stats.loggers = self.loggers
 

@@ -37,6 +37,8 @@ SCALARS = [
 # Logged only by a run with the attention guide on (model.attention.guide.weight > 0): its unweighted loss and its
 # weight at the step. Apart from SCALARS so that the CSV of a run without the guide keeps its columns.
 GUIDE_SCALARS = ["train/guide", "train/guide_weight"]
+# Logged only by a run with the symbol map on (model.symbol_map > 0): its unweighted loss.
+SYMBOL_MAP_SCALARS = ["train/symbol_map"]
 # The modules a logger needs beyond the base install, and where to get them.
 EXTRA_MODULES = {"mlflow": "mlflow", "wandb": "wandb"}
 
@@ -260,7 +262,8 @@ def flatten(config: dict, prefix: str = "") -> dict[str, str]:
 
 def build_loggers(cfg_logger, run_dir: Path, config: dict, extra: list[str] = ()) -> Loggers:
     """The loggers `cfg.logger` names, writing under `run_dir`; `config` (the run's resolved config as a dict)
-    goes to MLflow's params and wandb's config; `extra` tags are logged beside SCALARS (GUIDE_SCALARS)."""
+    goes to MLflow's params and wandb's config; `extra` tags are logged beside SCALARS (GUIDE_SCALARS,
+    SYMBOL_MAP_SCALARS)."""
     tags = [*SCALARS, *extra]
     check_logger_config(cfg_logger)
     run_dir = Path(run_dir)
