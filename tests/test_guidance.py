@@ -363,7 +363,9 @@ def test_the_guide_says_it_does_nothing_on_data_without_boxes_and_knows_its_kind
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="wapstable"):
         validate_config(compose_config(["model.attention.guide.weight=1"]))
-        validate_config(compose_config(["data=wap_pkl", "model.attention.guide.weight=0"]))
+        validate_config(
+            compose_config(["data=wap_pkl", "model.attention.guide.weight=0", "model.symbol_map=0"])
+        )
     assert not caplog.records
     with pytest.raises(ConfigCompositionException):
         compose_config(["model.attention.guide.kind=bogus"])

@@ -20,7 +20,10 @@ def model_of(vocab, **model_over):
 def test_weights_copied_and_token_rows_matched_by_name(tmp_path):
     src_vocab = Vocab(["<eol>", "x", "+", "1"])
     dst_vocab = Vocab(["<eol>", "1", "\\sin", "x", "y"])  # 1 and x shared at other rows; \sin and y new
-    src, dst = model_of(src_vocab, counting=0.5), model_of(dst_vocab, counting=0.5)
+    src, dst = (
+        model_of(src_vocab, counting=0.5, symbol_map=1),
+        model_of(dst_vocab, counting=0.5, symbol_map=1),
+    )
     fresh = {k: v.clone() for k, v in dst.state_dict().items()}
     save_checkpoint({"model": src.state_dict(), "vocab": src_vocab.tokens}, tmp_path / "src.pt")
 
