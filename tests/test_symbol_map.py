@@ -164,3 +164,38 @@ def test_a_negative_weight_is_refused_and_data_without_boxes_is_told(caplog):
     assert any(
         "model.symbol_map=1" in r.getMessage() and "data=wap_pkl" in r.getMessage() for r in caplog.records
     )
+
+
+def test_the_symbol_map_under_bf16_and_ddp(tmp_path):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    model, batch = tiny_model(1.0), tiny_batch()
+    assert torch.isfinite(forward_loss(model, batch, precision="bf16"))
+    assert torch.isfinite(model.symbol_map_value) and model.symbol_map_value > 0
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        wrapped = DistributedDataParallel(model)
+        loss = forward_loss(wrapped, batch)  # through DDP's forward, so its reducer sees the head
+        loss.backward()
+        torch.testing.assert_close(loss, forward_loss(model, batch))
+        assert model.symbol_map_value is not None
+        assert model.symbol_head.weight.grad is not None and model.symbol_head.weight.grad.abs().sum() > 0
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_skipped_step_skips_the_symbol_map(monkeypatch):
+    from wapstable.model import loss as loss_module
+    from wapstable.stability.step_guard import Outcome, StepGuard
+
+    model, batch = tiny_model(1.0), tiny_batch()
+    guard = StepGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), clip="norm", max_norm=10.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    monkeypatch.setattr(loss_module, "symbol_map_loss", lambda *a, **k: torch.tensor(float("nan")))
+    result = guard.step(forward_loss(model, batch))
+    assert result.outcome is Outcome.NONFINITE  # the map is inside the guarded loss
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    monkeypatch.undo()
+    assert guard.step(forward_loss(model, batch)).outcome is Outcome.ACCEPTED
+    assert not torch.equal(before["symbol_head.weight"], model.symbol_head.weight)
