@@ -55,10 +55,9 @@ def test_another_model_is_refused(tmp_path):
     )
     with pytest.raises(UserError, match="another size.*same model config"):
         init_from(model_of(vocab), tmp_path / "a.pt", vocab)
-    save_checkpoint(
-        {"model": model_of(vocab, counting=0.5).state_dict(), "vocab": vocab.tokens}, tmp_path / "b.pt"
-    )
-    with pytest.raises(UserError, match="another model.*counter"):
+    renamed = {k.replace("gru1", "gru0"): v for k, v in model_of(vocab).state_dict().items()}
+    save_checkpoint({"model": renamed, "vocab": vocab.tokens}, tmp_path / "b.pt")
+    with pytest.raises(UserError, match="another model.*gru"):
         init_from(model_of(vocab), tmp_path / "b.pt", vocab)
     with pytest.raises(UserError, match="does not exist"):
         init_from(model_of(vocab), tmp_path / "none.pt", vocab)
@@ -92,3 +91,22 @@ def test_pretraining_then_crohme_in_one_command(tmp_path, cache_dir):
 
     bad = run_train([*args, "pretrain.eval_every=9"], tmp_path / "bad", cache_dir, check=False)
     assert bad.returncode == 2 and "pretrain.eval_every=9" in bad.stdout + bad.stderr
+
+
+def test_training_only_heads_may_differ(tmp_path):
+    vocab = Vocab(["<eol>", "x", "1"])
+    with_heads = model_of(vocab, counting=0.5, symbol_map=1)
+    save_checkpoint({"model": with_heads.state_dict(), "vocab": vocab.tokens}, tmp_path / "heads.pt")
+    plain = model_of(vocab)
+    loaded = init_from(plain, tmp_path / "heads.pt", vocab)  # the heads are left behind
+    assert loaded["heads_dropped"] == ["counter", "symbol_head"] and loaded["heads_fresh"] == []
+    assert all(torch.equal(v, with_heads.state_dict()[k]) for k, v in plain.state_dict().items())
+
+    save_checkpoint({"model": plain.state_dict(), "vocab": vocab.tokens}, tmp_path / "plain.pt")
+    target = model_of(vocab, symbol_map=1)
+    before = target.symbol_head.weight.clone()
+    loaded = init_from(target, tmp_path / "plain.pt", vocab)  # the head keeps its fresh initialisation
+    assert loaded["heads_fresh"] == ["symbol_head"] and loaded["heads_dropped"] == []
+    assert torch.equal(target.symbol_head.weight, before)
+    assert torch.equal(target.parser.out.weight, plain.parser.out.weight)
+    assert loaded["tensors"] == len(plain.state_dict())

@@ -231,6 +231,8 @@ def check_model_compatible(model: torch.nn.Module, state: dict, path: Path) -> N
             )
 
 
+# Heads used in training only (model.counting, model.symbol_map): init_from lets them differ between the models.
+TRAINING_HEADS = {"counter", "symbol_head"}
 # The parameters with one row per token (the embedding has one more, the start token, last).
 VOCAB_ROWS = {
     "parser.embed.weight",
@@ -248,8 +250,10 @@ def init_from(model: torch.nn.Module, path: str | Path, vocab: Vocab) -> dict:
     schedule), matching token rows by name when the vocabularies differ: the embedding, output, counting and symbol-map
     rows of a token both vocabularies have are copied, a new token's rows keep their fresh initialisation.
 
-    Refuses (UserError) a checkpoint of another model: a parameter missing, or of another shape beyond the
-    vocabulary's rows. Returns what was loaded: {"tensors", "tokens_shared", "tokens_new"}.
+    A training-only head (TRAINING_HEADS) that one model has and the other lacks is no obstacle: a head the
+    checkpoint lacks keeps its fresh initialisation, one this model lacks is left out. Refuses (UserError) a
+    checkpoint of another model: any other parameter missing, or of another shape beyond the vocabulary's rows.
+    Returns what was loaded: {"tensors", "tokens_shared", "tokens_new", "heads_fresh", "heads_dropped"}.
     """
     path = Path(path).expanduser()
     if not path.is_file():
@@ -265,7 +269,12 @@ def init_from(model: torch.nn.Module, path: str | Path, vocab: Vocab) -> dict:
     dst_idx = torch.tensor([i for i, _ in pairs], dtype=torch.long)
     src_idx = torch.tensor([j for _, j in pairs], dtype=torch.long)
     own, saved = model.state_dict(), state["model"]
-    missing = sorted(set(own) ^ set(saved))
+    # A training-only head (the counting head, the symbol map) in one model and not the other is not another model:
+    # a head the checkpoint lacks keeps its fresh initialisation, one this model lacks is left behind.
+    fresh = sorted({k.split(".")[0] for k in set(own) - set(saved) if k.split(".")[0] in TRAINING_HEADS})
+    dropped = sorted({k.split(".")[0] for k in set(saved) - set(own) if k.split(".")[0] in TRAINING_HEADS})
+    saved = {k: v for k, v in saved.items() if k.split(".")[0] not in dropped}
+    missing = sorted(k for k in set(own) ^ set(saved) if k.split(".")[0] not in fresh)
     if missing:
         raise UserError(
             f"init_from={path} holds another model (parameter {missing[0]} is in one but not the other); "
@@ -273,6 +282,9 @@ def init_from(model: torch.nn.Module, path: str | Path, vocab: Vocab) -> dict:
         )
     new = {}
     for key, value in own.items():
+        if key not in saved:  # a head the checkpoint lacks
+            new[key] = value
+            continue
         src = saved[key]
         if key in VOCAB_ROWS and src_vocab != vocab and src.shape[1:] == value.shape[1:]:
             merged = value.clone()  # a new token keeps its fresh rows
@@ -288,4 +300,10 @@ def init_from(model: torch.nn.Module, path: str | Path, vocab: Vocab) -> dict:
                 f"{tuple(value.shape)} here); start from a checkpoint of the same model config"
             )
     model.load_state_dict(new)
-    return {"tensors": len(new), "tokens_shared": len(pairs), "tokens_new": len(vocab) - len(pairs)}
+    return {
+        "tensors": len(new) - sum(k.split(".")[0] in fresh for k in new),
+        "tokens_shared": len(pairs),
+        "tokens_new": len(vocab) - len(pairs),
+        "heads_fresh": fresh,
+        "heads_dropped": dropped,
+    }

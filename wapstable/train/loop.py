@@ -91,6 +91,12 @@ class Trainer(TrainingStep, RunEvents, TrainingState):
                 loaded["tokens_shared"],
                 loaded["tokens_new"],
             )
+            for head in loaded["heads_fresh"]:
+                log.info(
+                    "init_from: %s is not in the checkpoint; it starts from a fresh initialisation", head
+                )
+            for head in loaded["heads_dropped"]:
+                log.info("init_from: the checkpoint's %s is not in this model; it is left out", head)
         self.ddp_model = self.dist.wrap(self.model)
         self.optimizer = build_optimizer(cfg.optim, self.model.parameters())
         self.scheduler = build_scheduler(cfg.optim, self.optimizer, cfg.trainer.max_steps, self.time_done)
