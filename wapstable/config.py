@@ -101,6 +101,9 @@ class DataConfig:
     fonts: list[str] = field(default_factory=lambda: ["cm", "stix", "dejavuserif", "dejavusans", "stixsans"])
     font_size: int = 16
     augment: bool = True
+    # A fresh random affine warp of each training image at every step, boxes moved with it (wapstable/data/warp.py);
+    # its strength: 1 = up to 1.5 degrees of rotation, 0.15 of shear, 15 % of shrink, 2 px of shift. 0 = off.
+    warp: float = 0.0
     seed: int = 0
     render_workers: int = 2
     # real data (crohme: folders of InkML files; wap_pkl: pickles + captions + dictionary)

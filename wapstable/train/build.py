@@ -57,6 +57,8 @@ def validate_config(cfg: DictConfig) -> None:
     d = cfg.data
     if d.curriculum_epochs < 0:
         raise UserError(f"data.curriculum_epochs={d.curriculum_epochs} must be >= 0 (0 = no curriculum)")
+    if not d.get("warp", 0) >= 0:
+        raise UserError(f"data.warp={d.warp} must be >= 0 (0 turns the per-step warp off)")
     if d.pixel_budget <= 0 or d.max_batch <= 0:
         raise UserError("data.pixel_budget and data.max_batch must be positive")
     if cfg.decode.max_len <= 0 or cfg.decode.beam_size <= 0 or cfg.decode.final_beam_size <= 0:

@@ -6,6 +6,7 @@ import json
 import logging
 
 from wapstable.checkpoint import rng_state
+from wapstable.data.warp import warp_batch
 from wapstable.errors import TrainingStopped
 from wapstable.model.loss import forward_loss
 from wapstable.stability.clipping import clip_options, scaled_threshold
@@ -21,6 +22,10 @@ class TrainingStep:
         """Draw a batch and take one guarded step; a skip is warned about, and may roll back or stop the run."""
         self.stream_before = self.stream.state_dict()  # where an anomaly checkpoint's replay starts
         batch = self.stream.next().to(self.device)
+        if (
+            self.cfg.data.get("warp", 0) > 0
+        ):  # before the RNG snapshot: an anomaly checkpoint holds the warped batch
+            batch = warp_batch(batch, self.cfg.data.warp)
         rng_before = rng_state() if self.cfg.guard.checkpoint_on_anomaly else None
         result = self.train_step(batch, rng_before)
         self.fault.preempt(self.step)
