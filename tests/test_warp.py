@@ -51,7 +51,9 @@ def test_the_ink_moves_and_its_box_moves_with_it(seed):
         assert (x1 - x0) <= (xs.max() - xs.min() + 1) * 1.3 + 2 and (y1 - y0) <= (
             ys.max() - ys.min() + 1
         ) * 1.3 + 2
-        assert ink.sum() > 0.4 * (batch.images[i, 0] > 0.5).sum()  # strength 2 shrinks each axis to 70 % at most
+        assert (
+            ink.sum() > 0.4 * (batch.images[i, 0] > 0.5).sum()
+        )  # strength 2 shrinks each axis to 70 % at most
 
 
 def test_same_generator_same_warp():
