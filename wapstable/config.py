@@ -25,6 +25,8 @@ Watcher = StrEnum("Watcher", "vgg dense")
 DataSource = StrEnum("DataSource", "synthetic crohme wap_pkl")
 OnError = StrEnum("OnError", "fail skip")
 InkScale = StrEnum("InkScale", "height symbol")
+InkStyle = StrEnum("InkStyle", "printed handwritten")
+SymbolSet = StrEnum("SymbolSet", "base crohme")
 BucketBy = StrEnum("BucketBy", "size tokens")
 Schedule = StrEnum("Schedule", "constant cosine step")
 ClipMode = StrEnum("ClipMode", "none norm value inf agc autoclip")
@@ -101,6 +103,12 @@ class DataConfig:
     fonts: list[str] = field(default_factory=lambda: ["cm", "stix", "dejavuserif", "dejavusans", "stixsans"])
     font_size: int = 16
     augment: bool = True
+    # base: the grammar's 85 symbols; crohme: all 110 of the CROHME 2014 dictionary, in the constructions real
+    # expressions use them in (functions, limits, lists, primes, sets...), and the CROHME vocabulary
+    symbols: SymbolSet = SymbolSet.base
+    # printed: filled font outlines; handwritten: the same layout drawn as jittered pen strokes (stroke fonts),
+    # rasterised like data=crohme's ink (data.scale, height, symbol_size, line_width)
+    style: InkStyle = InkStyle.printed
     # A fresh random affine warp of each training image at every step, boxes moved with it (wapstable/data/warp.py);
     # its strength: 1 = up to 1.5 degrees of rotation, 0.15 of shear, 15 % of shrink, 2 px of shift. 0 = off.
     warp: float = 0.0

@@ -63,7 +63,16 @@ def synthetic_splits(cfg_data, which: Sequence[str]) -> dict[str, list[Sample]]:
                 f"data.num_{split}={getattr(cfg_data, f'num_{split}')} leaves the synthetic {split} split "
                 f"empty; set data.num_{split} to a positive number"
             )
-    return {split: samples for split, samples in build_splits(cfg_data).items() if split in which}
+    splits = Splits({split: samples for split, samples in build_splits(cfg_data).items() if split in which})
+    if "test" in which and cfg_data.root and cfg_data.test_sets:
+        # rendered training data, real test sets: data.root and data.test_sets name CROHME folders, read as
+        # data=crohme reads them (the same raster settings), each reported on its own
+        from wapstable.data.crohme import crohme_splits
+
+        real = crohme_splits(cfg_data, ["test"])
+        splits["test"] = real["test"]
+        splits.report = real.report
+    return splits
 
 
 def read_splits(read_split, cfg_data, which: Sequence[str]) -> dict[str, list[Sample]]:
@@ -110,9 +119,9 @@ SOURCES = {
 
 
 def load_vocab(cfg_data, splits: dict[str, list[Sample]]) -> Vocab:
-    """The dictionary file when the data set has one (WAP format), data=crohme's the CROHME 2014 dictionary, else
-    every token of the data."""
-    if not cfg_data.dictionary and cfg_data.name == "crohme":
+    """The dictionary file when the data set has one (WAP format), the CROHME 2014 dictionary for data=crohme and
+    data.symbols=crohme, else every token of the data."""
+    if not cfg_data.dictionary and (cfg_data.name == "crohme" or str(cfg_data.symbols) == "crohme"):
         from wapstable.data.latex import crohme_vocab
 
         return crohme_vocab()

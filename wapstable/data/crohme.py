@@ -197,7 +197,7 @@ def read_inkml(path: str | Path, raster: Raster) -> Sample:
 
 
 XML_ID = "{http://www.w3.org/XML/1998/namespace}id"
-INKLESS = frozenset({"{", "}", "^", "_"})  # tokens that draw nothing of their own
+INKLESS = frozenset({"{", "}", "^", "_", "\\limits"})  # tokens that draw nothing of their own
 MATHML_SYMBOLS = ("mi", "mn", "mo", "mtext")  # the elements that hold one written symbol
 MATHML_MARKS = (
     "mfrac",

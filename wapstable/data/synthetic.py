@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 # bump whenever the grammar, the renderer or the cache layout changes what a config produces
 # 2: each sample's symbol boxes are cached beside its pixels (the pixels are those of version 1)
 FORMAT_VERSION = 2
+# bump whenever data.style=handwritten draws other strokes for the same config (2: roots drawn in every font set)
+HANDWRITING_VERSION = 2
 SPLITS = ("train", "valid", "test")
 MARGIN = 4  # px of background kept around the ink
 FONTS = ("cm", "stix", "stixsans", "dejavuserif", "dejavusans")
@@ -80,6 +82,8 @@ LEVELS = {
 
 class _Grammar:
     """A recursive generator of token lists; `depth` counts how many more structures may nest inside."""
+
+    letters, greek = LETTERS, GREEK
 
     def __init__(self, rng: np.random.Generator, difficulty: int):
         if difficulty not in LEVELS:
@@ -131,10 +135,10 @@ class _Grammar:
         if r < 0.3:
             return self.number()
         if r < 0.65:
-            return [self.pick(LETTERS)]
+            return [self.pick(self.letters)]
         if r < 0.8:
-            return [self.pick(GREEK)]
-        return [self.pick(DIGITS[2:]), self.pick(LETTERS)]  # implicit product, "2 x"
+            return [self.pick(self.greek)]
+        return [self.pick(DIGITS[2:]), self.pick(self.letters)]  # implicit product, "2 x"
 
     def number(self) -> list[str]:
         r = self.rng.random()
@@ -147,18 +151,18 @@ class _Grammar:
         if depth > 1 and self.rng.random() < 0.3:
             return self.side(depth - 1, (1, 2))
         if self.rng.random() < 0.2:
-            return [self.pick(LETTERS[:26]), self.pick(["+", "-"]), self.pick(DIGITS[1:])]
+            return [self.pick(self.letters[:26]), self.pick(["+", "-"]), self.pick(DIGITS[1:])]
         r = self.rng.random()
         if r < 0.55:
             return [self.pick(DIGITS)]
-        return [self.pick(LETTERS[:26])] if r < 0.9 else [self.pick(GREEK)]
+        return [self.pick(self.letters[:26])] if r < 0.9 else [self.pick(self.greek)]
 
     def scripted(self, depth: int) -> list[str]:
         # mathtext rejects a double script, so the base is always a fresh atom or a closed bracket
         if depth > 1 and self.rng.random() < 0.2:
             base = self.bracket(depth - 1, scripts=False)
         else:
-            base = [self.pick(LETTERS)] if self.rng.random() < 0.8 else [self.pick(GREEK)]
+            base = [self.pick(self.letters)] if self.rng.random() < 0.8 else [self.pick(self.greek)]
         r = self.rng.random()
         out = list(base)
         if r < 0.6:
@@ -190,10 +194,181 @@ class _Grammar:
         return [*out, *self.side(depth - 1, (1, 1)), "d", var]
 
 
+# data.symbols=crohme: every symbol of the CROHME 2014 dictionary (wapstable.data.latex.CROHME_2014_SYMBOLS)
+FULL_LETTERS = list("abcdefghijklmnopqrstuvwxyz") + list("ABCEFGHILMNPRSTVXY")
+FULL_GREEK = [g for g in GREEK if g != "\\delta"] + ["\\Delta"]  # the dictionary has no \\delta
+FUNCTIONS = ("\\sin", "\\cos", "\\tan", "\\log")  # drawn as their letters, one token each
+FULL_OPERATORS = [*OPERATORS, "\\cdot", "/"]
+FULL_OP_WEIGHTS = [0.36, 0.27, 0.1, 0.06, 0.06, 0.08, 0.07]
+FULL_RELATIONS = [*RELATIONS, "\\rightarrow", "\\in"]
+FULL_REL_WEIGHTS = [0.5, 0.07, 0.07, 0.07, 0.07, 0.07, 0.08, 0.07]
+FULL_STRUCTURES = [*STRUCTURES, "function", "lim", "list", "abs"]
+
+
+class _CrohmeGrammar(_Grammar):
+    """The grammar over the whole CROHME 2014 dictionary: the base grammar's structures plus function names with
+    their arguments, limits, lists with commas and dots, sets, absolute values, primes, factorials, decimals,
+    quantifiers and arrows, in the forms the CROHME training labels use them."""
+
+    letters, greek = FULL_LETTERS, FULL_GREEK
+
+    def __init__(self, rng: np.random.Generator, difficulty: int):
+        super().__init__(rng, difficulty)
+        kinds = np.asarray([*self.level.kinds, 0.22, 0.08, 0.1, 0.08], dtype=float)
+        self.kind_p = kinds / kinds.sum()
+
+    def expression(self) -> list[str]:
+        self.structs = self.level.structs
+        depth = self.level.depth
+        r = self.rng.random()
+        if r < 0.04:  # \forall x \in A , ... / \exists x
+            q = self.pick(["\\forall", "\\exists"])
+            out = [q, self.pick(FULL_LETTERS[:26])]
+            if self.rng.random() < 0.6:
+                out += ["\\in", self.pick(list("ABCEFGHILMNPRSTVXY"))]
+            if self.rng.random() < 0.5:
+                out += [",", *self.side(depth, (1, 2))]
+            return out
+        out = self.side(depth, self.level.terms)
+        if self.rng.random() < self.level.p_rel:
+            out += [self.pick(FULL_RELATIONS, FULL_REL_WEIGHTS), *self.side(depth, self.level.terms)]
+        return out
+
+    def side(self, depth: int, terms: tuple[int, int]) -> list[str]:
+        n = int(self.rng.integers(terms[0], terms[1] + 1))
+        out = ["-"] if self.rng.random() < 0.1 else []
+        for i in range(n):
+            if i:
+                out.append(self.pick(FULL_OPERATORS, FULL_OP_WEIGHTS))
+            out += self.term(depth)
+        return out
+
+    def term(self, depth: int) -> list[str]:
+        if depth <= 0 or self.structs <= 0 or self.rng.random() >= self.level.p_struct:
+            return self.atoms()
+        self.structs -= 1
+        kind = self.pick(FULL_STRUCTURES, self.kind_p)
+        inner = self.level.inner
+        if kind == "frac":
+            return ["\\frac", "{", *self.side(depth - 1, inner), "}", "{", *self.side(depth - 1, inner), "}"]
+        if kind == "sqrt":
+            index = ["[", self.pick(["3", "n", "4"]), "]"] if self.rng.random() < 0.15 else []
+            return ["\\sqrt", *index, "{", *self.side(depth - 1, inner), "}"]
+        if kind == "script":
+            return self.scripted(depth)
+        if kind == "bracket":
+            return self.bracket(depth)
+        if kind == "function":
+            return self.function(depth)
+        if kind == "lim":
+            return self.limit(depth)
+        if kind == "list":
+            return self.listing()
+        if kind == "abs":
+            return ["|", *self.side(depth - 1, (1, 2)), "|"]
+        return self.bigop(depth)
+
+    def atoms(self) -> list[str]:
+        r = self.rng.random()
+        if r < 0.25:
+            return self.number()
+        if r < 0.55:
+            return [self.pick(FULL_LETTERS)]
+        if r < 0.67:
+            return [self.pick(FULL_GREEK)]
+        if r < 0.77:
+            return [self.pick(DIGITS[2:]), self.pick(FULL_LETTERS[:26])]
+        if r < 0.85:
+            return self.function(0)
+        if r < 0.9:  # a prime: f ^ { \prime } ( x ), y ^ { ' }
+            out = [self.pick(["f", "g", "y", "x", "u"]), "^", "{", self.pick(["\\prime", "'"]), "}"]
+            return out + (["(", self.pick(["x", "t", "c"]), ")"] if self.rng.random() < 0.6 else [])
+        if r < 0.95:  # a decimal: 0 . 5, 3 . 1 4
+            return [*self.number(), ".", *(self.pick(DIGITS) for _ in range(int(self.rng.integers(1, 3))))]
+        return [self.pick(["n", "k", *DIGITS[2:]]), "!"]
+
+    def function(self, depth: int) -> list[str]:
+        name = self.pick(list(FUNCTIONS), [0.35, 0.3, 0.15, 0.2])
+        out = [name]
+        if name == "\\log" and self.rng.random() < 0.3:
+            out += ["_", "{", *self.pick([["2"], ["1", "0"], ["a"], ["e"]]), "}"]
+        elif self.rng.random() < 0.15:
+            out += ["^", "{", "2", "}"]
+        if self.rng.random() < 0.5:
+            return out + [self.pick(["x", "\\theta", "t", "a", "z", "\\alpha", "n"])]
+        arg = self.side(depth - 1, (1, 2)) if depth > 1 else self.atoms_plain()
+        return [*out, "(", *arg, ")"]
+
+    def atoms_plain(self) -> list[str]:
+        r = self.rng.random()
+        if r < 0.4:
+            return [self.pick(FULL_LETTERS[:26])]
+        if r < 0.6:
+            return [self.pick(FULL_GREEK)]
+        return [self.pick(DIGITS[1:]), self.pick(["x", "t", "\\theta", "\\pi"])]
+
+    def limit(self, depth: int) -> list[str]:
+        var = self.pick(["x", "n", "h", "t"])
+        to = self.pick([["0"], ["\\infty"], ["a"], ["+", "\\infty"], ["-", "\\infty"], ["1"]])
+        limits = ["\\limits"] if self.rng.random() < 0.05 else []
+        return ["\\lim", *limits, "_", "{", var, "\\rightarrow", *to, "}", *self.term(depth - 1)]
+
+    def listing(self) -> list[str]:
+        v = self.pick(["x", "a", "y", "t", "\\alpha"])
+        r = self.rng.random()
+        if r < 0.3:  # x _ { 1 } , x _ { 2 } , \ldots , x _ { n }
+            body = [
+                v,
+                "_",
+                "{",
+                "1",
+                "}",
+                ",",
+                v,
+                "_",
+                "{",
+                "2",
+                "}",
+                ",",
+                "\\ldots",
+                ",",
+                v,
+                "_",
+                "{",
+                "n",
+                "}",
+            ]
+            return ["(", *body, ")"] if self.rng.random() < 0.5 else body
+        if r < 0.55:  # 1 + 2 + \cdots + n
+            op = self.pick(["+", "-", "\\times"])
+            return [v, "_", "{", "1", "}", op, "\\cdots", op, v, "_", "{", "n", "}"]
+        items = [
+            [self.pick(FULL_LETTERS[:26])] if self.rng.random() < 0.5 else self.number()
+            for _ in range(int(self.rng.integers(2, 4)))
+        ]
+        body = list(items[0])
+        for item in items[1:]:
+            body += [",", *item]
+        if self.rng.random() < 0.2:
+            body += [",", "\\ldots"]
+        left, right = self.pick([("(", ")"), ("\\{", "\\}"), ("[", "]")], [0.5, 0.35, 0.15])
+        return [left, *body, right]
+
+    def bigop(self, depth: int) -> list[str]:
+        out = super().bigop(depth)
+        if out[0] == "\\sum" and self.rng.random() < 0.05:
+            out.insert(1, "\\limits")
+        return out
+
+
 def _unique_expressions(
-    n: int, rng: np.random.Generator, difficulty: int, exclude: frozenset[str] = frozenset()
+    n: int,
+    rng: np.random.Generator,
+    difficulty: int,
+    exclude: frozenset[str] = frozenset(),
+    symbols: str = "base",
 ) -> list[list[str]]:
-    grammar = _Grammar(rng, difficulty)
+    grammar = (_CrohmeGrammar if symbols == "crohme" else _Grammar)(rng, difficulty)
     seen, out = set(exclude), []
     for _ in range(100 * n + 1000):
         if len(out) == n:
@@ -218,9 +393,9 @@ def _rng(seed: int, *tags: int) -> np.random.Generator:
 _PUBLIC, _LABELS, _RENDER = 0, 1, 2
 
 
-def generate_expressions(n: int, seed: int, difficulty: int) -> list[list[str]]:
+def generate_expressions(n: int, seed: int, difficulty: int, symbols: str = "base") -> list[list[str]]:
     """`n` distinct random expressions as CROHME-style token lists, the same for the same seed."""
-    return _unique_expressions(n, _rng(seed, _PUBLIC), difficulty)
+    return _unique_expressions(n, _rng(seed, _PUBLIC), difficulty, symbols=symbols)
 
 
 def tokens_to_mathtext(tokens: list[str]) -> str:
@@ -228,6 +403,7 @@ def tokens_to_mathtext(tokens: list[str]) -> str:
     # Mathtext does not ignore blanks: `x ^ {2}` sets the 2 full size. So tokens are glued, with a blank only
     # where a command word would otherwise swallow the next letter (`\pi x`, not `\pix`).
     parts = []
+    tokens = [t for t in tokens if t != "\\limits"]  # mathtext sets \lim's and \sum's limits below anyway
     for prev, tok in zip([""] + tokens[:-1], tokens):
         if prev[:1] == "\\" and prev[1:].isalpha() and tok[:1].isalpha():
             parts.append(" ")
@@ -242,9 +418,12 @@ _parser: MathTextParser | None = None
 
 
 class _QuietGlue(logging.Filter):
-    """Drops mathtext's "Underful Vlist" dumps (a root over a script holding a fraction): the image is fine."""
+    """Drops mathtext's "Underful Vlist" dumps (a root over a script holding a fraction): the image is fine; and its
+    notes that a font set borrows a glyph from another (\\cdots in cm), once per image."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("Substituting symbol"):
+            return False
         return not (isinstance(record.args, tuple) and record.args[:1] in (("Underful",), ("Overful",)))
 
 
@@ -357,7 +536,8 @@ def _augment(img: np.ndarray, rng: np.random.Generator, boxes: np.ndarray | None
 # -----------------------------------------------------------------------------
 # where each token is: the glyphs and rules mathtext lays out, matched to the tokens that made them
 
-INKLESS = frozenset({"{", "}", "^", "_"})  # tokens that draw nothing of their own
+INKLESS = frozenset({"{", "}", "^", "_", "\\limits"})  # tokens that draw nothing of their own
+MULTI_GLYPH = frozenset({"\\sin", "\\cos", "\\tan", "\\log", "\\lim"})  # drawn as their letters
 
 _box_sink: list | None = None  # inside _collect_boxes, render() appends each image's token boxes here
 box_failures = 0  # expressions whose layout could not be matched to their tokens (their boxes are all NaN)
@@ -412,17 +592,27 @@ class _Recorder:
             M.Char.__init__, M.Rule.__init__, M.Char.render, M.Rule.render, M.ship = saved
 
 
-def _creation_order(tokens: list[str]) -> list[tuple[int, str]] | None:
-    """(token index, "g" glyph or "r" rule) in the order mathtext creates the nodes it draws: a symbol where it
-    stands, a fraction's bar after its denominator, a root's sign and bar after its radicand. None for an
-    unbalanced label."""
-    order: list[tuple[int, str]] = []
+def _creation_order(tokens: list[str]) -> list[tuple[int, str, str]] | None:
+    """(token index, "g" glyph or "r" rule, the glyph's character or "") in the order mathtext creates the nodes it
+    draws: a symbol where it stands (a function name as its letters), a fraction's bar after its denominator, a
+    root's sign and bar after its radicand (its index, `\\sqrt [ 3 ]`, before). None for an unbalanced label."""
+    order: list[tuple[int, str, str]] = []
     groups: list[
         tuple[int | None, int]
     ] = []  # open { ... }: (the structure it belongs to, its groups after it)
     pending: tuple[int, int] | None = None  # a structure waiting for its next group: (index, groups left)
+    index = False  # inside a root's [ index ]
     for i, tok in enumerate(tokens):
-        if tok == "{":
+        if (
+            tok == "["
+            and pending is not None
+            and tokens[pending[0]] == "\\sqrt"
+            and tokens[i - 1] == "\\sqrt"
+        ):
+            index = True
+        elif tok == "]" and index:
+            index = False
+        elif tok == "{":
             if pending is not None:
                 groups.append((pending[0], pending[1] - 1))
                 pending = None
@@ -435,18 +625,44 @@ def _creation_order(tokens: list[str]) -> list[tuple[int, str]] | None:
             if owner is not None and after:
                 pending = (owner, after)
             elif owner is not None:
-                order += [(owner, "g"), (owner, "r")] if tokens[owner] == "\\sqrt" else [(owner, "r")]
+                order += (
+                    [(owner, "g", ""), (owner, "r", "")] if tokens[owner] == "\\sqrt" else [(owner, "r", "")]
+                )
         elif tok == "\\frac":
             pending = (i, 2)
         elif tok == "\\sqrt":
             pending = (i, 1)
+        elif tok in MULTI_GLYPH:
+            order += [(i, "g", c) for c in tok[1:]]
         elif tok not in INKLESS:
-            order.append((i, "g"))
-    return order if not groups and pending is None else None
+            order.append((i, "g", tok))
+    return order if not groups and pending is None and not index else None
 
 
 def _same_symbol(token: str, c: str) -> bool:
-    return c == token or c == token.lstrip("\\") or token == "-" and c == "\N{MINUS SIGN}"
+    return (
+        c == token
+        or c == token.lstrip("\\")
+        or token == "-"
+        and c == "\N{MINUS SIGN}"
+        or token == "'"
+        and c == "\\prime"
+    )
+
+
+def _match(tokens: list[str], items: list) -> list[tuple[int, str, tuple, str]] | None:
+    """The recorded glyphs and rules (items) each with the index of the token that made it: (token index, kind,
+    box, character); None when the layout does not match the tokens one to one (a count or a symbol differs)."""
+    order = _creation_order(tokens)
+    nodes = sorted(items, key=lambda item: item[0])
+    if order is None or [kind for _, kind, _ in order] != [item[1] for item in nodes]:
+        return None
+    out = []
+    for (i, kind, want), (_, _, box, c) in zip(order, nodes):
+        if kind == "g" and tokens[i] != "\\sqrt" and not _same_symbol(want, c):
+            return None
+        out.append((i, kind, box, c))
+    return out
 
 
 def _ink_box(box, img: np.ndarray) -> tuple[float, float, float, float]:
@@ -464,19 +680,18 @@ def _ink_box(box, img: np.ndarray) -> tuple[float, float, float, float]:
 def _token_boxes(tokens: list[str], items: list, img: np.ndarray) -> np.ndarray | None:
     """(len(tokens), 4) boxes x0, y0, x1, y1 in `img`'s pixels, NaN for a token without ink; None when the layout
     does not match the tokens one to one (a count or a symbol differs)."""
-    order = _creation_order(tokens)
-    nodes = sorted(items, key=lambda item: item[0])
-    if order is None or [kind for _, kind in order] != [item[1] for item in nodes]:
+    matched = _match(tokens, items)
+    if matched is None:
         return None
     boxes = no_boxes(len(tokens))
-    for (i, kind), (_, _, box, c) in zip(order, nodes):
-        if tokens[i] == "\\sqrt":
-            if kind == "g":  # the sign marks the root; its bar spans the radicand, whose own tokens are there
-                boxes[i] = _ink_box(box, img)
-            continue
-        if kind == "g" and not _same_symbol(tokens[i], c):
-            return None
-        boxes[i] = _ink_box(box, img)
+    for i, kind, box, _ in matched:
+        if tokens[i] == "\\sqrt" and kind == "r":
+            continue  # the sign marks the root; its bar spans the radicand, whose own tokens are there
+        x0, y0, x1, y1 = _ink_box(box, img)
+        if not np.isnan(boxes[i, 0]):  # a function name's next letter
+            x0, y0 = min(x0, boxes[i, 0]), min(y0, boxes[i, 1])
+            x1, y1 = max(x1, boxes[i, 2]), max(y1, boxes[i, 3])
+        boxes[i] = (x0, y0, x1, y1)
     return boxes
 
 
@@ -549,18 +764,89 @@ def render_boxes(
     return img, sink[0]
 
 
+def _is_radical(c: str) -> bool:
+    """Whether a glyph is a root's sign: "\\__radicalbig__" and its sizes in cm, the character √ in the other sets."""
+    return c == "\N{SQUARE ROOT}" or c.startswith("\\__radical")
+
+
+def render_handwritten(
+    tokens: list[str], font: str, font_size: int, rng: np.random.Generator, raster, jitter: float = 1.0
+) -> tuple[np.ndarray, np.ndarray]:
+    """data.style=handwritten: the image of `tokens` drawn as pen strokes on mathtext's layout (font set `font`
+    at `font_size`), rasterised like InkML by `raster` (wapstable.data.crohme.Raster), and its tokens' boxes
+    (NaN rows for inkless tokens, all NaN when the layout could not be matched to the tokens)."""
+    from wapstable.data import handwriting as hw
+    from wapstable.data.crohme import rasterize_traces
+
+    global _parser
+    if _parser is None:
+        _parser = MathTextParser("agg")
+    MathTextParser._parse_cached.cache_clear()  # a cached parse lays nothing out, so it records nothing
+    recorder = _Recorder()
+    with recorder.on():
+        _parser.parse(tokens_to_mathtext(tokens), dpi=72, prop=_font_properties(font, font_size))
+    items = sorted(recorder.items, key=lambda item: item[0])
+    matched = _match(tokens, recorder.items)
+    owners = [m[0] for m in matched] if matched is not None else [None] * len(items)
+    text_font = hw.TEXT_FONTS[int(rng.choice(len(hw.TEXT_FONTS), p=hw.TEXT_FONT_WEIGHTS))]
+    drawn: list[tuple[int | None, np.ndarray]] = []  # (token index, stroke)
+    k = 0
+    while k < len(items):
+        _, kind, box, c = items[k]
+        if kind == "g" and _is_radical(c):
+            bar = items[k + 1][2] if k + 1 < len(items) and items[k + 1][1] == "r" else None
+            end, top = (bar[2], (bar[1] + bar[3]) / 2) if bar is not None else (box[2], box[1])
+            strokes = hw.draw_radical(box, end, top, rng, jitter, font_size)
+            k += bar is not None  # the bar is drawn with its sign
+        elif kind == "r":
+            strokes = hw.draw_rule(box, rng, jitter, font_size)
+        else:
+            strokes = hw.draw_glyph(c, box, font_size, text_font, rng, jitter)
+        drawn += [(owners[k], s) for s in strokes]
+        k += 1
+    if not drawn:
+        raise ValueError(f"nothing to draw for {' '.join(tokens)!r}")
+    traces = [s for _, s in drawn]
+    if jitter > 0:  # a slant shared by the whole expression, as a writer's
+        y_mid = float(np.median(np.concatenate(traces)[:, 1]))
+        traces = hw.slant(traces, float(rng.normal(0.05, 0.1) * jitter), y_mid)
+    transform: list = []
+    img = rasterize_traces(
+        traces, raster.height, raster.line_width, symbol_size=raster.symbol_size, transform=transform
+    )
+    lo, scale, offset = transform[0]
+    boxes = no_boxes(len(tokens))
+    if matched is not None:
+        pad = raster.line_width / 2 + 0.5
+        h, w = img.shape
+        for (owner, _), stroke in zip(drawn, traces):
+            px = (stroke - lo) * scale + offset
+            x0, y0 = px.min(0) - pad
+            x1, y1 = px.max(0) + pad
+            if not np.isnan(boxes[owner, 0]):
+                x0, y0 = min(x0, boxes[owner, 0]), min(y0, boxes[owner, 1])
+                x1, y1 = max(x1, boxes[owner, 2]), max(y1, boxes[owner, 3])
+            boxes[owner] = (max(0.0, x0), max(0.0, y0), min(float(w), x1), min(float(h), y1))
+    return img, boxes
+
+
 # -----------------------------------------------------------------------------
 # splits and cache
 
 
 def _render_chunk(job: tuple) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
     """(image, token boxes) of each label of the job, and how many layouts did not match their tokens."""
-    split_code, start, labels, fonts, font_size, augment, seed = job
+    split_code, start, labels, fonts, font_size, augment, seed, raster = job
     out, failures = [], box_failures
     with _collect_boxes() as sink:
         for i, tokens in enumerate(labels, start):
             rng = _rng(seed, _RENDER, split_code, i)
             font = fonts[int(rng.integers(len(fonts)))]
+            if raster is not None:  # data.style=handwritten
+                image, boxes = render_handwritten(tokens, font, font_size, rng, raster, float(augment))
+                failures -= bool(np.isnan(boxes).all())
+                out.append((image, boxes))
+                continue
             image = render(tokens, font, font_size, rng, augment)
             out.append((image, sink.pop() if sink else no_boxes(len(tokens))))
     return out, box_failures - failures
@@ -584,13 +870,27 @@ def _single_thread():
 def _render_all(labels: dict[str, list[list[str]]], cfg, params: dict) -> dict[str, list[tuple]]:
     total = sum(len(v) for v in labels.values())
     workers = int(cfg.render_workers or 0)
+    raster = None
+    if params.get("style") == "handwritten":
+        from wapstable.data.crohme import Raster
+
+        raster = Raster.of(cfg)
     chunk = max(1, min(256, math.ceil(total / max(1, 4 * workers))))
     jobs, owners = [], []
     for code, split in enumerate(SPLITS):
         for start in range(0, len(labels[split]), chunk):
             batch = labels[split][start : start + chunk]
             jobs.append(
-                (code, start, batch, params["fonts"], params["font_size"], params["augment"], params["seed"])
+                (
+                    code,
+                    start,
+                    batch,
+                    params["fonts"],
+                    params["font_size"],
+                    params["augment"],
+                    params["seed"],
+                    raster,
+                )
             )
             owners.append(split)
     t0 = time.perf_counter()
@@ -637,6 +937,26 @@ def _cache_params(cfg) -> dict:
         torch=torch.__version__,
         torchvision=importlib.metadata.version("torchvision"),
         numpy=np.__version__,
+        # only when not the default, so that the caches of default configs stay valid
+        **({"symbols": str(cfg.symbols)} if str(cfg.symbols) != "base" else {}),
+        **(_handwriting_params(cfg) if str(cfg.style) == "handwritten" else {}),
+    )
+
+
+def _handwriting_params(cfg) -> dict:
+    from wapstable.data.crohme import Raster
+
+    if int(cfg.line_width) < 1 or int(cfg.height) < 16:
+        raise ValueError(
+            f"data.style=handwritten needs data.line_width >= 1 and data.height >= 16, got {cfg.line_width} and "
+            f"{cfg.height}"
+        )
+    return dict(
+        style="handwritten",
+        handwriting=HANDWRITING_VERSION,
+        raster=list(Raster.of(cfg)),
+        hershey=importlib.metadata.version("hershey-fonts"),
+        pillow=importlib.metadata.version("pillow"),
     )
 
 
@@ -695,7 +1015,9 @@ def build_splits(cfg) -> dict[str, list[Sample]]:
     labels, taken = {}, frozenset()
     for code, split in reversed(list(enumerate(SPLITS))):
         rng = _rng(params["seed"], _LABELS, code)
-        labels[split] = _unique_expressions(params[f"num_{split}"], rng, params["difficulty"], taken)
+        labels[split] = _unique_expressions(
+            params[f"num_{split}"], rng, params["difficulty"], taken, params.get("symbols", "base")
+        )
         taken = taken | {" ".join(t) for t in labels[split]}
     images = _render_all(labels, cfg, params)
     splits = {

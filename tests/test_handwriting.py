@@ -1,0 +1,169 @@
+"""data.symbols=crohme (the grammar over the whole CROHME 2014 dictionary) and data.style=handwritten (the layout
+drawn as pen strokes), through the renderer, the cache and a real run of train.py."""
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+from conftest import compose_config, run_train
+
+from wapstable.data import handwriting as hw
+from wapstable.data import synthetic as S
+from wapstable.data.crohme import Raster, _inked
+from wapstable.data.latex import CROHME_2014_SYMBOLS
+
+RASTER = Raster(height=160, line_width=2, symbol_size=24.0)
+
+
+@pytest.fixture(scope="module")
+def crohme_labels():
+    return S.generate_expressions(2500, seed=0, difficulty=2, symbols="crohme")
+
+
+def test_crohme_grammar_emits_exactly_the_dictionary(crohme_labels):
+    counts = Counter(t for tokens in crohme_labels for t in tokens)
+    assert set(counts) == set(CROHME_2014_SYMBOLS), (
+        f"missing {sorted(set(CROHME_2014_SYMBOLS) - set(counts))}, "
+        f"not in the dictionary {sorted(set(counts) - set(CROHME_2014_SYMBOLS))}"
+    )
+    # the mix of lengths is that of real labels (CROHME 2014 training: median 13, 90th percentile 32)
+    lengths = [len(t) for t in crohme_labels]
+    assert 8 <= np.median(lengths) <= 16 and 18 <= np.percentile(lengths, 90) <= 40
+
+
+def test_base_grammar_is_unchanged_by_the_option():
+    """The default data keeps its 85 symbols: none of the dictionary's additions, and the same labels however
+    often the CROHME grammar is used beside it."""
+    before = S.generate_expressions(500, seed=3, difficulty=2)
+    S.generate_expressions(500, seed=3, difficulty=2, symbols="crohme")
+    base = S.generate_expressions(500, seed=3, difficulty=2)
+    assert base == before
+    tokens = {t for tokens in base for t in tokens}
+    assert not tokens & {"\\sin", "\\lim", "\\ldots", ",", "\\prime", "\\rightarrow", "\\exists", "|", "!"}
+    # and the default config's cache key does not depend on the new keys
+    cfg = compose_config([]).data
+    assert "symbols" not in S._cache_params(cfg) and "style" not in S._cache_params(cfg)
+    cfg.symbols, cfg.style = "crohme", "handwritten"
+    params = S._cache_params(cfg)
+    assert params["symbols"] == "crohme" and params["style"] == "handwritten" and "hershey" in params
+
+
+def first_with(labels, symbol):
+    return next(tokens for tokens in labels if symbol in tokens)
+
+
+@pytest.mark.parametrize("style", ["printed", "handwritten"])
+def test_every_dictionary_symbol_is_drawn_where_its_box_says(crohme_labels, style):
+    """For each of the 110 symbols, an expression holding it renders with its layout matched to its tokens, and
+    every token that draws has a box with ink in it (both styles)."""
+    for symbol in CROHME_2014_SYMBOLS:
+        tokens = first_with(crohme_labels, symbol)
+        rng = np.random.default_rng(0)
+        if style == "printed":
+            img, boxes = S.render_boxes(tokens, "cm", 28, rng, augment=False)
+        else:
+            img, boxes = S.render_handwritten(tokens, "cm", 28, rng, RASTER)
+        assert img.dtype == np.uint8 and img.max() == 255 and img[0].max() == 0, symbol
+        assert boxes.shape == (len(tokens), 4)
+        assert not np.isnan(boxes).all(), f"{symbol}: the layout of {' '.join(tokens)} was not matched"
+        for i in _inked(tokens):  # every token but braces, ^ _ \\limits and a root index's [ ]
+            tok = tokens[i]
+            x0, y0, x1, y1 = boxes[i]
+            assert not np.isnan(x0), f"{tok} in {' '.join(tokens)} has no box"
+            patch = img[int(y0) : int(np.ceil(y1)), int(x0) : int(np.ceil(x1))]
+            assert patch.size and patch.max() > 0, f"{tok} in {' '.join(tokens)}: no ink in its box"
+
+
+def test_every_glyph_the_layout_uses_has_strokes(crohme_labels):
+    """No glyph of the dictionary falls back to the placeholder stroke, in any text font: each has its own
+    strokes from the Hershey fonts or from DRAWN."""
+    seen = set()
+    for tokens in crohme_labels[:150]:
+        for font in S.FONTS:
+            rec = S._Recorder()
+            with rec.on():
+                S.MathTextParser._parse_cached.cache_clear()
+                S.MathTextParser("agg").parse(
+                    S.tokens_to_mathtext(tokens), dpi=72, prop=S._font_properties(font, 28)
+                )
+            seen |= {c for _, kind, _, c in rec.items if kind == "g"}
+    missing = {
+        (c, f) for c in seen for f in hw.TEXT_FONTS if not S._is_radical(c) and hw.unit_strokes(c, f) is None
+    }
+    assert not missing
+    # and the placeholder is what an unknown glyph gets, so the check above has something to catch
+    assert hw.unit_strokes("\\nosuchsymbol", "futural") is None
+
+
+def test_handwritten_image_conventions_and_determinism():
+    tokens = "\\frac { \\sin ( x ) } { 2 } + \\sqrt { y }".split()
+    a, boxes_a = S.render_handwritten(tokens, "cm", 28, np.random.default_rng(5), RASTER)
+    b, boxes_b = S.render_handwritten(tokens, "cm", 28, np.random.default_rng(5), RASTER)
+    c, _ = S.render_handwritten(tokens, "cm", 28, np.random.default_rng(6), RASTER)
+    assert np.array_equal(a, b) and np.array_equal(boxes_a, boxes_b, equal_nan=True)
+    assert a.shape != c.shape or not np.array_equal(a, c)  # another seed, another hand
+    assert a.shape[0] <= RASTER.height
+    # as data=crohme draws ink: strokes line_width px wide, ink 255 on 0, nothing in between but antialiasing-free
+    assert set(np.unique(a)) <= {0, 255}
+    # without jitter, the strokes stay inside the layout's boxes: the \frac bar spans the wider of its arguments
+    flat, boxes = S.render_handwritten(tokens, "cm", 28, np.random.default_rng(5), RASTER, jitter=0.0)
+    bar, sin = boxes[0], boxes[tokens.index("\\sin")]
+    assert bar[2] - bar[0] >= sin[2] - sin[0] and bar[1] > sin[3] - 2
+
+
+def test_handwritten_splits_are_cached(tmp_path):
+    cfg = compose_config(["debug=tiny", "data.style=handwritten", "data.symbols=crohme"]).data
+    cfg.cache_dir = str(tmp_path)
+    first = S.build_splits(cfg)
+    files = list(tmp_path.rglob("splits.npz"))
+    assert len(files) == 1
+    again = S.build_splits(cfg)
+    for split in S.SPLITS:
+        assert [s.tokens for s in first[split]] == [s.tokens for s in again[split]]
+        assert all(np.array_equal(x.image, y.image) for x, y in zip(first[split], again[split]))
+    assert any(not np.isnan(s.boxes).all() for s in first["train"])
+    printed = compose_config(["debug=tiny", "data.symbols=crohme"]).data
+    printed.cache_dir = str(tmp_path)
+    S.build_splits(printed)
+    assert len(list(tmp_path.rglob("splits.npz"))) == 2  # another style, another cache entry
+
+
+def test_experiment_handwritten_tests_on_crohme_folders(tmp_path, cache_dir):
+    """experiment=handwritten through train.py: rendered handwriting in, the named CROHME test sets out, each
+    reported over all of its files in metrics.json."""
+    from test_crohme import QUIRKS, published_layout
+
+    root = published_layout(tmp_path / "CROHME")
+    run_dir = tmp_path / "run"
+    args = [
+        "experiment=handwritten",
+        f"data.root={root}",
+        "data.num_train=40",
+        "data.num_valid=8",
+        "data.num_test=8",
+        "data.difficulty=1",
+        "data.render_workers=1",
+        "data.font_size=16",
+        "trainer.max_steps=4",
+        "trainer.max_minutes=0",
+        "trainer.eval_every=4",
+        "trainer.checkpoint_every=4",
+        "decode.final_beam_size=1",
+        "decode.max_len=12",
+    ]
+    run_train(args, run_dir, cache_dir)
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert set(metrics["test_sets"]) == {"2014", "2016"}
+    for entry in metrics["test_sets"].values():
+        assert (
+            entry["total"] == len(QUIRKS) and entry["read"] < entry["total"]
+        )  # the broken files count as wrong
+    assert metrics["steps"] == 4
+
+
+def test_bad_style_is_refused(tmp_path, cache_dir):
+    proc = run_train(["data.style=cursive"], tmp_path / "run", cache_dir, check=False)
+    assert proc.returncode != 0
+    assert "data.style" in proc.stderr + proc.stdout and "handwritten" in proc.stderr + proc.stdout
+    assert not (tmp_path / "run" / "metrics.json").exists()

@@ -1,0 +1,199 @@
+"""Rendered handwriting (data.style=handwritten): mathtext's layout of an expression, every glyph drawn as pen
+strokes instead of filled outlines.
+
+Letters, digits and punctuation come from the Hershey stroke fonts (the `hershey-fonts` package: single-line
+fonts, sans, roman, italic and script); Greek letters from its Greek set; the other math symbols (arrows, big
+operators, relations, dots, braces, the radical sign) are drawn here as a few strokes each, the way people write
+them. Each glyph is fitted into the box mathtext gives it, then jittered: its own scale, rotation and baseline
+shift, a wobble along every stroke, and a slant shared by the whole expression. The strokes are then rasterised
+by `rasterize_traces`, the very code that draws real CROHME ink, so the images follow data=crohme's conventions.
+"""
+
+from functools import cache, lru_cache
+
+import numpy as np
+
+# Hershey fonts for letters, digits and punctuation, one per expression, with their chances: the single-line
+# (simplex) sets only, as a pen writes; the duplex and triplex sets draw each line twice
+TEXT_FONTS = ("futural", "rowmans", "scripts", "cursive")
+TEXT_FONT_WEIGHTS = (0.35, 0.3, 0.2, 0.15)
+# the Greek set's Latin keys
+GREEK_KEYS = {
+    "\\alpha": "a",
+    "\\beta": "b",
+    "\\gamma": "g",
+    "\\delta": "d",
+    "\\theta": "q",
+    "\\lambda": "l",
+    "\\mu": "m",
+    "\\pi": "p",
+    "\\sigma": "s",
+    "\\phi": "f",
+}
+
+
+def _dot(x: float, y: float) -> list[tuple[float, float]]:
+    return [(x, y)]  # a single point: the rasteriser draws a round dot
+
+
+def _arc(cx, cy, rx, ry, a0, a1, n=12):
+    t = np.linspace(np.radians(a0), np.radians(a1), n)
+    return list(zip(cx + rx * np.cos(t), cy + ry * np.sin(t)))
+
+
+# Strokes of the symbols the stroke fonts do not have, in a unit box: x right, y down, both 0..1.
+DRAWN = {
+    "\\rightarrow": [[(0, 0.5), (1, 0.5)], [(0.72, 0.15), (1, 0.5), (0.72, 0.85)]],
+    "\\ldots": [_dot(0.05, 0.5), _dot(0.5, 0.5), _dot(0.95, 0.5)],
+    "\\cdots": [_dot(0.05, 0.5), _dot(0.5, 0.5), _dot(0.95, 0.5)],
+    "\\cdot": [_dot(0.5, 0.5)],
+    "\\prime": [[(0.8, 0), (0.2, 1)]],
+    "\\exists": [[(0, 0), (1, 0), (1, 1), (0, 1)], [(0.2, 0.5), (1, 0.5)]],
+    "\\forall": [[(0, 0), (0.5, 1), (1, 0)], [(0.22, 0.45), (0.78, 0.45)]],
+    "\\in": [_arc(1, 0.5, 1, 0.5, 270, 90, 14)[::-1], [(0, 0.5), (1, 0.5)]],
+    "\\leq": [[(1, 0), (0, 0.38), (1, 0.76)], [(0, 1), (1, 1)]],
+    "\\geq": [[(0, 0), (1, 0.38), (0, 0.76)], [(0, 1), (1, 1)]],
+    "\\neq": [[(0, 0.3), (1, 0.3)], [(0, 0.7), (1, 0.7)], [(0.75, 0), (0.25, 1)]],
+    "\\Delta": [[(0.5, 0), (0, 1), (1, 1), (0.5, 0)]],
+    "\\infty": [
+        [
+            (0.5, 0.5),
+            *_arc(0.25, 0.5, 0.25, 0.45, 0, -360, 24)[1:-1],
+            (0.5, 0.5),
+            *_arc(0.75, 0.5, 0.25, 0.45, 180, 540, 24)[1:],
+        ]
+    ],
+    "\\sum": [[(1, 0.08), (1, 0), (0, 0), (0.55, 0.5), (0, 1), (1, 1), (1, 0.92)]],
+    "\\int": [
+        [(1, 0.06), (0.85, 0), (0.68, 0.05), (0.56, 0.3), (0.44, 0.7), (0.32, 0.95), (0.15, 1), (0, 0.94)]
+    ],
+    "\\times": [[(0, 0), (1, 1)], [(1, 0), (0, 1)]],
+    "\\div": [[(0, 0.5), (1, 0.5)], _dot(0.5, 0.1), _dot(0.5, 0.9)],
+    "\\pm": [[(0.5, 0), (0.5, 0.7)], [(0, 0.35), (1, 0.35)], [(0, 1), (1, 1)]],
+    "\\{": [[(0.9, 0), (0.45, 0.06), (0.5, 0.44), (0.1, 0.5), (0.5, 0.56), (0.45, 0.94), (0.9, 1)]],
+    "\\}": [[(0.1, 0), (0.55, 0.06), (0.5, 0.44), (0.9, 0.5), (0.5, 0.56), (0.55, 0.94), (0.1, 1)]],
+    "\N{MINUS SIGN}": [[(0, 0.5), (1, 0.5)]],
+    "-": [[(0, 0.5), (1, 0.5)]],
+    "=": [[(0, 0.2), (1, 0.2)], [(0, 0.8), (1, 0.8)]],
+    "+": [[(0.5, 0), (0.5, 1)], [(0, 0.5), (1, 0.5)]],
+}
+RADICAL = [(0, 0.6), (0.18, 0.5), (0.45, 1), (1, 0)]  # the sign; its bar continues from the last point
+
+
+@cache
+def _font(name: str):
+    from HersheyFonts import HersheyFonts
+
+    font = HersheyFonts()
+    font.load_default_font(name)
+    return font
+
+
+@lru_cache(maxsize=4096)
+def _font_glyph(font: str, char: str) -> tuple[tuple[tuple[float, float], ...], ...] | None:
+    """The strokes of `char` in a Hershey font, in the font's units (y down), or None when it has none."""
+    strokes = tuple(
+        tuple((float(x), float(y)) for x, y in s) for s in _font(font).strokes_for_text(char) if s
+    )
+    return strokes or None
+
+
+def unit_strokes(c: str, text_font: str) -> list[np.ndarray] | None:
+    """The strokes of mathtext glyph `c` (a character or a symbol's name, as mathtext's Char holds it) in a unit
+    box (x right, y down); None for a glyph neither the fonts nor DRAWN have."""
+    if c in DRAWN:
+        return [np.asarray(s, dtype=np.float64) for s in DRAWN[c]]
+    if c in GREEK_KEYS:
+        strokes = _font_glyph("greek", GREEK_KEYS[c])
+    elif len(c) == 1 and c.isascii() and c.isprintable() and not c.isspace():
+        strokes = _font_glyph(text_font, c)
+    else:
+        return None
+    if strokes is None:
+        return None
+    out = [np.asarray(s, dtype=np.float64) for s in strokes]
+    pts = np.concatenate(out)
+    lo, span = pts.min(0), np.ptp(pts, 0)
+    return [np.where(span > 0, (s - lo) / np.where(span > 0, span, 1), 0.5) for s in out]
+
+
+def _wobble(stroke: np.ndarray, rng: np.random.Generator, amount: float) -> np.ndarray:
+    """The stroke resampled finely and bent by a smooth random offset of about `amount` (a shaky hand)."""
+    if len(stroke) < 2 or amount <= 0:
+        return stroke
+    seg = np.hypot(*np.diff(stroke, axis=0).T)
+    length = float(seg.sum())
+    if length <= 0:
+        return stroke
+    n = int(min(64, max(len(stroke), length / max(amount, 1e-6) * 0.5)))
+    t = np.concatenate([[0], np.cumsum(seg)]) / length
+    u = np.linspace(0, 1, max(n, 2))
+    # keep the corners: the original points plus an even resampling
+    u = np.union1d(u, t)
+    pts = np.stack([np.interp(u, t, stroke[:, 0]), np.interp(u, t, stroke[:, 1])], 1)
+    phase = rng.uniform(0, 2 * np.pi, (2, 2))
+    freq = rng.uniform(0.5, 2.0, 2)
+    offset = np.stack(
+        [
+            np.sin(2 * np.pi * freq[k] * u + phase[0, k])
+            + 0.5 * np.sin(4 * np.pi * freq[k] * u + phase[1, k])
+            for k in (0, 1)
+        ],
+        1,
+    )
+    return pts + amount * offset / 1.5
+
+
+def draw_glyph(
+    c: str, box: tuple, size: float, text_font: str, rng: np.random.Generator, jitter: float = 1.0
+) -> list[np.ndarray]:
+    """The strokes of glyph `c` fitted into `box` (x0, y0, x1, y1, y down) of an expression whose font size is
+    `size` (the same units), jittered by `rng` (`jitter` 0 = exactly in the box)."""
+    unit = unit_strokes(c, text_font)
+    x0, y0, x1, y1 = (float(v) for v in box)
+    if unit is None:  # a glyph no source draws: a stroke across its box, so that it is not invisible
+        unit = [np.array([(0.0, 0.5), (1.0, 0.5)])]
+    w, h = max(x1 - x0, 0.0), max(y1 - y0, 0.0)
+    strokes = [np.stack([x0 + s[:, 0] * w, y0 + s[:, 1] * h], 1) for s in unit]
+    if jitter <= 0:
+        return strokes
+    centre = np.array([(x0 + x1) / 2, (y0 + y1) / 2])
+    scale = np.exp(rng.normal(0, 0.08 * jitter)) * np.exp(rng.normal(0, 0.05 * jitter, 2))
+    angle = np.radians(rng.normal(0, 4.0 * jitter))
+    rot = np.array([[np.cos(angle), -np.sin(angle)], [np.sin(angle), np.cos(angle)]])
+    shift = rng.normal(0, 0.05 * jitter, 2) * size
+    out = []
+    for s in strokes:
+        s = (s - centre) * scale @ rot.T + centre + shift
+        out.append(_wobble(s, rng, 0.025 * jitter * size))
+    return out
+
+
+def draw_radical(
+    sign_box: tuple, bar_end: float, bar_y: float, rng: np.random.Generator, jitter: float, size: float
+):
+    """A root's sign and bar as one stroke: the sign in `sign_box`, the bar on to x = `bar_end` at height `bar_y`."""
+    x0, y0, x1, y1 = (float(v) for v in sign_box)
+    pts = np.array([(x0 + u * (x1 - x0), y0 + v * (y1 - y0)) for u, v in RADICAL])
+    pts = np.vstack([pts, [(bar_end, bar_y)]])
+    pts[-2, 1] = pts[-1, 1] = min(y0, bar_y)
+    if jitter > 0:
+        pts = pts + rng.normal(0, 0.03 * jitter * size, pts.shape)
+        pts = _wobble(pts, rng, 0.02 * jitter * size)
+    return [pts]
+
+
+def draw_rule(box: tuple, rng: np.random.Generator, jitter: float, size: float) -> list[np.ndarray]:
+    """A fraction's bar (or any rule mathtext draws) as one slightly uneven stroke through its box's middle."""
+    x0, y0, x1, y1 = (float(v) for v in box)
+    y = (y0 + y1) / 2
+    pts = np.array([(x0, y), (x1, y)])
+    if jitter > 0:
+        pts = pts + rng.normal(0, 0.03 * jitter * size, pts.shape)
+        pts = _wobble(pts, rng, 0.015 * jitter * size)
+    return [pts]
+
+
+def slant(strokes: list[np.ndarray], shear: float, y_mid: float) -> list[np.ndarray]:
+    """The strokes sheared about the line y = `y_mid`: positive leans them to the right, as italics."""
+    return [np.stack([s[:, 0] - shear * (s[:, 1] - y_mid), s[:, 1]], 1) for s in strokes]
