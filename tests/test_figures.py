@@ -34,11 +34,18 @@ def test_figures_draws_every_picture_from_its_tiny_runs(tmp_path, cache_dir, mon
     assert "attention-*.png skipped: give --checkpoint" in printed
     assert sorted(p.name for p in out.iterdir()) == [
         "grad-report-fault.png",
+        "handwriting.png",
         "samples.png",
         "sweep-summary.png",
         "symbol-boxes.png",
     ]
-    for name in ("samples.png", "grad-report-fault.png", "sweep-summary.png", "symbol-boxes.png"):
+    for name in (
+        "samples.png",
+        "grad-report-fault.png",
+        "sweep-summary.png",
+        "symbol-boxes.png",
+        "handwriting.png",
+    ):
         assert_png(out / name)
     # The gradient report is of a run that skipped its NaN step, and the sweep ran every job: the spiked ones were
     # stopped by the guard, the others finished.

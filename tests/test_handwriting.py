@@ -160,10 +160,46 @@ def test_experiment_handwritten_tests_on_crohme_folders(tmp_path, cache_dir):
             entry["total"] == len(QUIRKS) and entry["read"] < entry["total"]
         )  # the broken files count as wrong
     assert metrics["steps"] == 4
+    # the checkpoint tested again by evaluate.py on one of the sets: its own data config, the 2016 entry removed
+    from test_evaluate import script
+
+    ckpt = run_dir / "checkpoints" / "best.pt"
+    one = script(
+        "evaluate.py", ckpt, f"data.root={root}", "~data.test_sets.2016", "--out", tmp_path / "e.json"
+    )
+    assert one.returncode == 0, one.stderr
+    sets = json.loads((tmp_path / "e.json").read_text())["sets"]
+    assert list(sets) == ["2014"] and sets["2014"]["total"] == len(QUIRKS)
+    assert sets["2014"]["wer"] == pytest.approx(metrics["test_sets"]["2014"]["wer"])
 
 
-def test_bad_style_is_refused(tmp_path, cache_dir):
-    proc = run_train(["data.style=cursive"], tmp_path / "run", cache_dir, check=False)
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["data.style=cursive"], ["data.style", "handwritten"]),
+        (["data.symbols=all"], ["data.symbols", "crohme"]),
+        (["data.style=handwritten", "data.height=8"], ["data.height >= 16"]),
+    ],
+)
+def test_bad_style_values_are_refused(tmp_path, cache_dir, args, says):
+    proc = run_train(args, tmp_path / "run", cache_dir, check=False)
     assert proc.returncode != 0
-    assert "data.style" in proc.stderr + proc.stdout and "handwritten" in proc.stderr + proc.stdout
+    for words in says:
+        assert words in proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "metrics.json").exists()
+
+
+def test_make_figures_draws_handwriting_beside_real_ink(tmp_path):
+    from test_figures import assert_png
+    from test_guidance import INKML
+
+    from wapstable.cli import figures
+
+    (tmp_path / "ink").mkdir()
+    (tmp_path / "ink" / "a.inkml").write_text(INKML)  # a file whose traceGroups give every symbol's box
+    out = tmp_path / "docs"
+    assert figures.main(["--only", "handwriting", "--out", str(out), "--crohme", str(tmp_path / "ink")]) == 0
+    assert_png(out / "handwriting.png")
+    panels = figures._crohme_panels(tmp_path / "ink", 4, RASTER)
+    assert len(panels) == 1 and panels[0][0].shape[0] <= RASTER.height

@@ -47,25 +47,29 @@ def compose(saved: dict, overrides: list[str]):
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
 
-    keys, deleted = [], []
+    keys, deleted, passed = [], [], []
     for override in overrides:
         key = override.lstrip("+~").split("=", 1)[0]
         if key == "data" and override.split("=", 1)[1] == str(saved.get("data", {}).get("name")):
+            passed.append(override)
             continue  # the checkpoint's own data source: its settings stay (data.KEY=... still apply)
         if override.startswith("~") and "." in key and key.startswith("data."):
-            deleted.append(key)  # `~data.test_sets.2016`: drop an entry
-            continue
+            deleted.append(
+                key
+            )  # `~data.test_sets.2016`: drop an entry of the checkpoint's config (the package's
+            continue  # own config may not have it: a model of data=synthetic tested on CROHME folders)
         if "=" not in override or not any(key == a or key.startswith(a + ".") for a in ALLOWED):
             raise UserError(
                 f"override {override!r} is not accepted; give data=..., data.KEY=..., decode.KEY=..., "
                 "trainer.device=... or split=... (the model comes from the checkpoint)"
             )
         keys.append(key)
+        passed.append(override)
     register_configs()
     try:
         # The package's configs: group options (data=crohme) and the schema's type checks, as train.py has them.
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            composed = hydra_compose(config_name="config", overrides=overrides)
+            composed = hydra_compose(config_name="config", overrides=passed)
     except (HydraException, OmegaConfBaseException) as e:
         why = "; ".join(line.strip() for line in str(e).splitlines()[:2])
         raise UserError(f"the overrides do not compose: {why}") from None

@@ -7,6 +7,7 @@ Each picture comes from the project's own tools, so it shows what a user of them
 
     samples.png            rendered training samples and their LaTeX (wapstable.data.synthetic, as data=synthetic)
     symbol-boxes.png       the box of each token's symbol over rendered samples (the attention guide's targets)
+    handwriting.png        rendered handwriting (data.style=handwritten) with its boxes; --crohme: real ink beside
     grad-report-fault.png  scripts/grad_report.py on a tiny run fed a NaN batch at step 5 (fault=nan_input)
     sweep-summary.png      scripts/summarize_sweep.py on a tiny grid sweep: clip modes, without and with an lr spike
     exprate-curve.png      valid ExpRate and token error rate over the steps of --run (its metrics.json)
@@ -32,7 +33,7 @@ import numpy as np
 from wapstable.cli import run_script
 from wapstable.errors import UserError
 
-FIGURES = ("samples", "boxes", "grad", "sweep", "exprate", "attention")
+FIGURES = ("samples", "boxes", "handwriting", "grad", "sweep", "exprate", "attention")
 # The tiny runs: debug=tiny (conf/debug/tiny.yaml) without loggers or progress bars.
 TINY = ["debug=tiny", "logger=[]", "trainer.progress=false"]
 FAULT_RUN = "nan_input-at-step-5"  # the run directory's name is the gradient report's title
@@ -110,8 +111,6 @@ def symbol_boxes(out: Path, n: int = 6, seed: int = 1, crohme: Path | None = Non
     attention guide (model.attention.guide) reads them: each box is labelled with its token; tokens without ink of
     their own ({, }, ^, _) have none. With `crohme` (a folder of InkML), also the first 4 of its files whose
     traceGroups give boxes, rasterised as data=crohme does."""
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Rectangle
     from omegaconf import OmegaConf
 
     from wapstable.config import CONF_DIR
@@ -126,6 +125,48 @@ def symbol_boxes(out: Path, n: int = 6, seed: int = 1, crohme: Path | None = Non
         panels.append((image, boxes, tokens, f"rendered, font {font}"))
     if crohme is not None:
         panels += _crohme_panels(Path(crohme), 4)
+    title = (
+        "where each token is: the renderer's glyph and rule boxes, bent with the image by the augmentation"
+        + (", and CROHME's traceGroups" if crohme is not None else "")
+        + " ({ } ^ _ have no box)"
+    )
+    return _box_figure(panels, n, title, out / "symbol-boxes.png")
+
+
+def handwriting(out: Path, n: int = 8, seed: int = 2, crohme: Path | None = None) -> Path:
+    """Rendered handwriting as experiment=handwritten draws it (data.style=handwritten, data.symbols=crohme), with
+    each token's box; with `crohme` (a folder of InkML), real CROHME files beside them, rasterised alike."""
+    from omegaconf import OmegaConf
+
+    from wapstable.config import CONF_DIR, DataConfig
+    from wapstable.data.crohme import Raster
+    from wapstable.data.synthetic import FONTS, generate_expressions, render_handwritten
+
+    data = OmegaConf.merge(
+        OmegaConf.structured(DataConfig),
+        OmegaConf.load(CONF_DIR / "data" / "synthetic.yaml"),
+        OmegaConf.load(CONF_DIR / "experiment" / "handwritten.yaml").data,
+    )
+    raster = Raster.of(data)
+    panels = []
+    for i, tokens in enumerate(generate_expressions(n, seed, int(data.difficulty), symbols="crohme")):
+        rng = np.random.default_rng([seed, i])
+        image, boxes = render_handwritten(tokens, FONTS[i % len(FONTS)], int(data.font_size), rng, raster)
+        panels.append((image, boxes, tokens, "rendered handwriting (data.style=handwritten)"))
+    if crohme is not None:
+        panels += _crohme_panels(Path(crohme), 4, raster)
+    title = (
+        "experiment=handwritten's training images: mathtext's layout drawn as jittered stroke-font glyphs"
+        + (", beside real CROHME ink rasterised alike" if crohme is not None else "")
+    )
+    return _box_figure(panels, n, title, out / "handwriting.png")
+
+
+def _box_figure(panels: list[tuple], n: int, title: str, path: Path) -> Path:
+    """Panels (image, boxes, tokens, caption) in two columns, each token's box drawn and labelled."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
+
     ncols = 2
     nrows = -(-len(panels) // ncols)
     fig = Figure(figsize=(6.4 * ncols, 2.1 * nrows + 0.5), dpi=100)
@@ -152,18 +193,14 @@ def symbol_boxes(out: Path, n: int = 6, seed: int = 1, crohme: Path | None = Non
         ax.spines[:].set_visible(False)
     for ax in axes[len(panels) :]:
         ax.axis("off")
-    fig.suptitle(
-        "where each token is: the renderer's glyph and rule boxes, bent with the image by the augmentation"
-        + (", and CROHME's traceGroups" if crohme is not None else "")
-        + " ({ } ^ _ have no box)",
-        fontsize=10,
-    )
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    return _save(fig, out / "symbol-boxes.png")
+    return _save(fig, path)
 
 
-def _crohme_panels(folder: Path, count: int) -> list[tuple]:
-    """The first `count` InkML files under `folder` (4 to 20 tokens) whose traceGroups give boxes."""
+def _crohme_panels(folder: Path, count: int, raster=None) -> list[tuple]:
+    """The first `count` InkML files under `folder` (4 to 20 tokens) whose traceGroups give boxes, rasterised by
+    `raster` (default: data=crohme's)."""
     from omegaconf import OmegaConf
 
     from wapstable.config import CONF_DIR, DataConfig
@@ -171,7 +208,7 @@ def _crohme_panels(folder: Path, count: int) -> list[tuple]:
     from wapstable.data.latex import DataError
 
     cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(CONF_DIR / "data" / "crohme.yaml"))
-    raster = Raster.of(cfg)
+    raster = raster or Raster.of(cfg)
     panels = []
     for path in sorted(folder.rglob("*.inkml")):
         try:
@@ -303,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
             written.append(samples(args.out))
         if "boxes" in args.only:
             written.append(symbol_boxes(args.out, crohme=args.crohme))
+        if "handwriting" in args.only:
+            written.append(handwriting(args.out, crohme=args.crohme))
         if "grad" in args.only:
             written.append(grad_report(args.out, work))
         if "sweep" in args.only:
