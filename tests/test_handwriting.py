@@ -10,8 +10,8 @@ from conftest import compose_config, run_train
 
 from wapstable.data import handwriting as hw
 from wapstable.data import synthetic as S
-from wapstable.data.crohme import Raster, _inked
-from wapstable.data.latex import CROHME_2014_SYMBOLS
+from wapstable.data.crohme import Raster, _inked, held_out
+from wapstable.data.latex import CROHME_2014_SYMBOLS, DataError
 
 RASTER = Raster(height=160, line_width=2, symbol_size=24.0)
 
@@ -203,3 +203,97 @@ def test_make_figures_draws_handwriting_beside_real_ink(tmp_path):
     assert_png(out / "handwriting.png")
     panels = figures._crohme_panels(tmp_path / "ink", 4, RASTER)
     assert len(panels) == 1 and panels[0][0].shape[0] <= RASTER.height
+
+
+# -----------------------------------------------------------------------------
+# data.glyphs=crohme: real symbols cut from the training files' traceGroups
+
+
+def ink_folder(root, copies=3):
+    """A training folder of InkML whose traceGroups name every symbol: `\\frac{a}{x^2}` written `copies` times."""
+    from test_guidance import INKML
+
+    folder = root / "TrainINKML" / "KAIST"
+    folder.mkdir(parents=True)
+    for i in range(copies):
+        (folder / f"k{i}.inkml").write_text(INKML)
+    return root / "TrainINKML"
+
+
+def test_symbols_are_cut_from_the_trace_groups(tmp_path):
+    from wapstable.data import ink_bank
+
+    folder = ink_folder(tmp_path)
+    tokens, symbols = ink_bank.read_symbols(next(folder.rglob("*.inkml")))
+    assert tokens == "\\frac { a } { x ^ { 2 } }".split()
+    assert [(t, len(strokes)) for t, strokes in symbols] == [("a", 1), ("-", 1), ("x", 2), ("2", 1)]
+    path = ink_bank.bank_path(folder, 0.0, tmp_path / "cache")
+    bank = ink_bank.load_bank(str(path))
+    assert {t: len(s) for t, s in bank.items()} == {"a": 3, "-": 3, "x": 3, "2": 3}
+    assert [s.tolist() for s in bank["x"][0]] == [[[20, 60], [50, 100]], [[50, 60], [20, 100]]]
+    # a file whose expression is held out for validation gives no ink: here every file, so nothing is left
+    fraction = 0.999999
+    assert held_out(tokens, fraction)
+    with pytest.raises(DataError, match="no file there has traceGroups"):
+        ink_bank.bank_path(folder, fraction, tmp_path / "cache2")
+
+
+def test_real_symbols_are_drawn_in_the_layout(tmp_path):
+    from wapstable.data import ink_bank
+
+    bank = ink_bank.load_bank(str(ink_bank.bank_path(ink_folder(tmp_path), 0.0, tmp_path / "cache")))
+    tokens = "x + 2".split()
+    real, boxes = S.render_handwritten(tokens, "cm", 28, np.random.default_rng(0), RASTER, 0.0, bank)
+    fonts, _ = S.render_handwritten(tokens, "cm", 28, np.random.default_rng(0), RASTER, 0.0)
+    assert not (real.shape == fonts.shape and np.array_equal(real, fonts))
+    # the written x (two strokes from (20, 60)-(50, 100) and (50, 60)-(20, 100)) is a cross as tall as it is wide
+    x0, y0, x1, y1 = boxes[0]
+    assert 0.6 < (x1 - x0) / (y1 - y0) < 1.4
+    # + has no sample in this bank: it falls back to the stroke fonts
+    assert not np.isnan(boxes[1]).any()
+
+
+def test_a_run_on_real_symbols_and_its_errors(tmp_path, cache_dir):
+    root = ink_folder(tmp_path / "CROHME").parent
+    args = ["data.style=handwritten", "data.glyphs=crohme", f"data.root={root}", "data.train=TrainINKML"]
+    args.append("data.valid_fraction=0")
+    run_train([*args, "data.symbols=crohme"], tmp_path / "run", cache_dir)
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["steps"] == 3
+    keys = [  # the rendered data's cache is keyed by the bank, itself keyed by the files it was cut from
+        json.loads(str(np.load(p)["params"])) for p in (cache_dir / "synthetic").glob("*/splits.npz")
+    ]
+    assert any(k.get("glyphs") == "crohme" and k.get("glyph_bank") for k in keys)
+    for bad, says in (
+        (["data.style=handwritten", "data.glyphs=crohme"], "set data.root"),
+        (["data.glyphs=crohme"], "set data.style=handwritten"),
+        (["data.style=handwritten", "data.glyphs=crohme", f"data.root={tmp_path}"], "does not exist"),
+    ):
+        proc = run_train(bad, tmp_path / "bad", cache_dir, check=False)
+        assert proc.returncode == 2 and says in proc.stderr + proc.stdout, (bad, proc.stderr[-500:])
+
+
+def test_crohme_pretraining_on_real_symbols_takes_the_run_s_folders(tmp_path, cache_dir):
+    """pretrain.data.glyphs=crohme: the pretraining draws with symbols cut from the run's own training folder (its
+    data.root, data.train and hold-out), without repeating them under pretrain.data."""
+    from test_crohme import published_layout
+
+    root = published_layout(tmp_path / "CROHME_labeled_2016")
+    run = tmp_path / "run"
+    args = [
+        "data=crohme",
+        f"data.root={root}",
+        "data.height=32",
+        "pretrain.steps=2",
+        "pretrain.eval_every=2",
+        "+pretrain.data.style=handwritten",
+        "+pretrain.data.symbols=crohme",
+        "+pretrain.data.glyphs=crohme",
+    ]
+    run_train(args, run, cache_dir)
+    assert json.loads((run / "pretrain" / "metrics.json").read_text())["steps"] == 2
+    # the bank of the run's TrainINKML keys the pretraining's rendered data
+    from wapstable.data.ink_bank import bank_path
+
+    bank = bank_path(root / "TrainINKML", 0.05, cache_dir)  # data=crohme's hold-out
+    keys = [json.loads(str(np.load(p)["params"])) for p in (cache_dir / "synthetic").glob("*/splits.npz")]
+    assert bank.parent.name in {k.get("glyph_bank") for k in keys}

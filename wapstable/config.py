@@ -27,6 +27,7 @@ OnError = StrEnum("OnError", "fail skip")
 InkScale = StrEnum("InkScale", "height symbol")
 InkStyle = StrEnum("InkStyle", "printed handwritten")
 SymbolSet = StrEnum("SymbolSet", "base crohme")
+GlyphSource = StrEnum("GlyphSource", "fonts crohme")
 BucketBy = StrEnum("BucketBy", "size tokens")
 Schedule = StrEnum("Schedule", "constant cosine step")
 ClipMode = StrEnum("ClipMode", "none norm value inf agc autoclip")
@@ -109,6 +110,10 @@ class DataConfig:
     # printed: filled font outlines; handwritten: the same layout drawn as jittered pen strokes (stroke fonts),
     # rasterised like data=crohme's ink (data.scale, height, symbol_size, line_width)
     style: InkStyle = InkStyle.printed
+    # handwritten: where each symbol's strokes come from; fonts: the stroke fonts (no real ink); crohme: real
+    # symbols cut from the traceGroups of data.root/data.train (held-out validation expressions excluded), the fonts
+    # for symbols it lacks
+    glyphs: GlyphSource = GlyphSource.fonts
     # A fresh random affine warp of each training image at every step, boxes moved with it (wapstable/data/warp.py);
     # its strength: 1 = up to 1.5 degrees of rotation, 0.15 of shear, 15 % of shrink, 2 px of shift. 0 = off.
     warp: float = 0.0

@@ -144,17 +144,69 @@ def _wobble(stroke: np.ndarray, rng: np.random.Generator, amount: float) -> np.n
     return pts + amount * offset / 1.5
 
 
+def bank_token(c: str) -> str | None:
+    """The CROHME token whose real ink draws mathtext glyph `c` (data.glyphs=crohme), or None."""
+    if c in ("\N{MINUS SIGN}", "-"):
+        return "-"
+    if len(c) == 1 and c.isascii() and c.isprintable() and not c.isspace():
+        return c
+    if c.startswith("\\") and not c.startswith("\\__"):
+        return c
+    return None
+
+
+def bank_sample(bank, token: str | None, rng: np.random.Generator) -> list[np.ndarray] | None:
+    """One real sample of `token` from `bank` (ink_bank.Bank), drawn by `rng`; a prime stands in for "'" and back."""
+    if bank is None or token is None:
+        return None
+    samples = bank.get(token) or bank.get({"'": "\\prime", "\\prime": "'"}.get(token, ""))
+    if not samples:
+        return None
+    return samples[int(rng.integers(len(samples)))]
+
+
+def fit(strokes: list[np.ndarray], box: tuple, keep_aspect: bool = True) -> list[np.ndarray]:
+    """Strokes moved and scaled into `box` (x0, y0, x1, y1): with `keep_aspect`, as large as fits and centred
+    (flat ink, a minus, by its width); else stretched to fill it."""
+    pts = np.concatenate(strokes)
+    lo, span = pts.min(0), np.ptp(pts, 0)
+    x0, y0, x1, y1 = (float(v) for v in box)
+    w, h = max(x1 - x0, 1e-6), max(y1 - y0, 1e-6)
+    if keep_aspect:
+        sx = w / span[0] if span[0] > 0 else np.inf
+        sy = h / span[1] if span[1] > 0 else np.inf
+        s = min(sx, sy)
+        if not np.isfinite(s) or span[1] < 0.2 * span[0]:  # flat ink: its width decides
+            s = sx if np.isfinite(sx) else (sy if np.isfinite(sy) else 1.0)
+        scale = np.array([s, s])
+    else:
+        scale = np.array([w / span[0] if span[0] > 0 else 1.0, h / span[1] if span[1] > 0 else 1.0])
+    centre = np.array([(x0 + x1) / 2, (y0 + y1) / 2])
+    return [(s - lo - span / 2) * scale + centre for s in strokes]
+
+
 def draw_glyph(
-    c: str, box: tuple, size: float, text_font: str, rng: np.random.Generator, jitter: float = 1.0
+    c: str,
+    box: tuple,
+    size: float,
+    text_font: str,
+    rng: np.random.Generator,
+    jitter: float = 1.0,
+    bank=None,
 ) -> list[np.ndarray]:
     """The strokes of glyph `c` fitted into `box` (x0, y0, x1, y1, y down) of an expression whose font size is
-    `size` (the same units), jittered by `rng` (`jitter` 0 = exactly in the box)."""
-    unit = unit_strokes(c, text_font)
+    `size` (the same units), jittered by `rng` (`jitter` 0 = exactly in the box). With `bank` (ink_bank.Bank),
+    a real written sample of the symbol when the bank has one, else the stroke fonts."""
     x0, y0, x1, y1 = (float(v) for v in box)
-    if unit is None:  # a glyph no source draws: a stroke across its box, so that it is not invisible
-        unit = [np.array([(0.0, 0.5), (1.0, 0.5)])]
-    w, h = max(x1 - x0, 0.0), max(y1 - y0, 0.0)
-    strokes = [np.stack([x0 + s[:, 0] * w, y0 + s[:, 1] * h], 1) for s in unit]
+    real = bank_sample(bank, bank_token(c), rng)
+    if real is not None:
+        strokes = fit(real, box)
+    else:
+        unit = unit_strokes(c, text_font)
+        if unit is None:  # a glyph no source draws: a stroke across its box, so that it is not invisible
+            unit = [np.array([(0.0, 0.5), (1.0, 0.5)])]
+        w, h = max(x1 - x0, 0.0), max(y1 - y0, 0.0)
+        strokes = [np.stack([x0 + s[:, 0] * w, y0 + s[:, 1] * h], 1) for s in unit]
     if jitter <= 0:
         return strokes
     centre = np.array([(x0 + x1) / 2, (y0 + y1) / 2])
@@ -165,15 +217,27 @@ def draw_glyph(
     out = []
     for s in strokes:
         s = (s - centre) * scale @ rot.T + centre + shift
-        out.append(_wobble(s, rng, 0.025 * jitter * size))
+        out.append(
+            s if real is not None else _wobble(s, rng, 0.025 * jitter * size)
+        )  # real ink shakes already
     return out
 
 
 def draw_radical(
-    sign_box: tuple, bar_end: float, bar_y: float, rng: np.random.Generator, jitter: float, size: float
+    sign_box: tuple,
+    bar_end: float,
+    bar_y: float,
+    rng: np.random.Generator,
+    jitter: float,
+    size: float,
+    bank=None,
 ):
-    """A root's sign and bar as one stroke: the sign in `sign_box`, the bar on to x = `bar_end` at height `bar_y`."""
+    """A root's sign and bar as one stroke: the sign in `sign_box`, the bar on to x = `bar_end` at height `bar_y`;
+    with `bank`, a real written root stretched over the same span."""
     x0, y0, x1, y1 = (float(v) for v in sign_box)
+    real = bank_sample(bank, "\\sqrt", rng)
+    if real is not None:
+        return fit(real, (x0, min(y0, bar_y), bar_end, y1), keep_aspect=False)
     pts = np.array([(x0 + u * (x1 - x0), y0 + v * (y1 - y0)) for u, v in RADICAL])
     pts = np.vstack([pts, [(bar_end, bar_y)]])
     pts[-2, 1] = pts[-1, 1] = min(y0, bar_y)
@@ -183,10 +247,16 @@ def draw_radical(
     return [pts]
 
 
-def draw_rule(box: tuple, rng: np.random.Generator, jitter: float, size: float) -> list[np.ndarray]:
-    """A fraction's bar (or any rule mathtext draws) as one slightly uneven stroke through its box's middle."""
+def draw_rule(
+    box: tuple, rng: np.random.Generator, jitter: float, size: float, bank=None
+) -> list[np.ndarray]:
+    """A fraction's bar (or any rule mathtext draws) as one slightly uneven stroke through its box's middle; with
+    `bank`, a real written minus as wide as the rule."""
     x0, y0, x1, y1 = (float(v) for v in box)
     y = (y0 + y1) / 2
+    real = bank_sample(bank, "-", rng)
+    if real is not None:
+        return fit(real, (x0, y, x1, y))
     pts = np.array([(x0, y), (x1, y)])
     if jitter > 0:
         pts = pts + rng.normal(0, 0.03 * jitter * size, pts.shape)

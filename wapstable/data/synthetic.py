@@ -770,11 +770,18 @@ def _is_radical(c: str) -> bool:
 
 
 def render_handwritten(
-    tokens: list[str], font: str, font_size: int, rng: np.random.Generator, raster, jitter: float = 1.0
+    tokens: list[str],
+    font: str,
+    font_size: int,
+    rng: np.random.Generator,
+    raster,
+    jitter: float = 1.0,
+    bank=None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """data.style=handwritten: the image of `tokens` drawn as pen strokes on mathtext's layout (font set `font`
     at `font_size`), rasterised like InkML by `raster` (wapstable.data.crohme.Raster), and its tokens' boxes
-    (NaN rows for inkless tokens, all NaN when the layout could not be matched to the tokens)."""
+    (NaN rows for inkless tokens, all NaN when the layout could not be matched to the tokens). With `bank`
+    (wapstable.data.ink_bank: data.glyphs=crohme), each symbol the bank has is a real written sample of it."""
     from wapstable.data import handwriting as hw
     from wapstable.data.crohme import rasterize_traces
 
@@ -796,12 +803,12 @@ def render_handwritten(
         if kind == "g" and _is_radical(c):
             bar = items[k + 1][2] if k + 1 < len(items) and items[k + 1][1] == "r" else None
             end, top = (bar[2], (bar[1] + bar[3]) / 2) if bar is not None else (box[2], box[1])
-            strokes = hw.draw_radical(box, end, top, rng, jitter, font_size)
+            strokes = hw.draw_radical(box, end, top, rng, jitter, font_size, bank)
             k += bar is not None  # the bar is drawn with its sign
         elif kind == "r":
-            strokes = hw.draw_rule(box, rng, jitter, font_size)
+            strokes = hw.draw_rule(box, rng, jitter, font_size, bank)
         else:
-            strokes = hw.draw_glyph(c, box, font_size, text_font, rng, jitter)
+            strokes = hw.draw_glyph(c, box, font_size, text_font, rng, jitter, bank)
         drawn += [(owners[k], s) for s in strokes]
         k += 1
     if not drawn:
@@ -836,14 +843,19 @@ def render_handwritten(
 
 def _render_chunk(job: tuple) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
     """(image, token boxes) of each label of the job, and how many layouts did not match their tokens."""
-    split_code, start, labels, fonts, font_size, augment, seed, raster = job
+    split_code, start, labels, fonts, font_size, augment, seed, raster, bank_file = job
     out, failures = [], box_failures
+    bank = None
+    if bank_file is not None:
+        from wapstable.data.ink_bank import load_bank
+
+        bank = load_bank(bank_file)
     with _collect_boxes() as sink:
         for i, tokens in enumerate(labels, start):
             rng = _rng(seed, _RENDER, split_code, i)
             font = fonts[int(rng.integers(len(fonts)))]
             if raster is not None:  # data.style=handwritten
-                image, boxes = render_handwritten(tokens, font, font_size, rng, raster, float(augment))
+                image, boxes = render_handwritten(tokens, font, font_size, rng, raster, float(augment), bank)
                 failures -= bool(np.isnan(boxes).all())
                 out.append((image, boxes))
                 continue
@@ -870,11 +882,16 @@ def _single_thread():
 def _render_all(labels: dict[str, list[list[str]]], cfg, params: dict) -> dict[str, list[tuple]]:
     total = sum(len(v) for v in labels.values())
     workers = int(cfg.render_workers or 0)
-    raster = None
+    raster = bank_file = None
     if params.get("style") == "handwritten":
         from wapstable.data.crohme import Raster
 
         raster = Raster.of(cfg)
+    if params.get("glyphs") == "crohme":
+        from wapstable.data.ink_bank import load_bank
+
+        bank_file = str(_bank_path(cfg))
+        load_bank(bank_file)  # once here: the render workers fork with it
     chunk = max(1, min(256, math.ceil(total / max(1, 4 * workers))))
     jobs, owners = [], []
     for code, split in enumerate(SPLITS):
@@ -890,6 +907,7 @@ def _render_all(labels: dict[str, list[list[str]]], cfg, params: dict) -> dict[s
                     params["augment"],
                     params["seed"],
                     raster,
+                    bank_file,
                 )
             )
             owners.append(split)
@@ -915,6 +933,7 @@ def _render_all(labels: dict[str, list[list[str]]], cfg, params: dict) -> dict[s
 
 
 def _cache_params(cfg) -> dict:
+    _check_glyphs(cfg)
     fonts = [str(f) for f in cfg.fonts]
     if not fonts:
         raise ValueError(f"data.fonts must name at least one mathtext font set of {list(FONTS)}")
@@ -943,6 +962,11 @@ def _cache_params(cfg) -> dict:
     )
 
 
+def _check_glyphs(cfg) -> None:
+    if str(cfg.glyphs) != "fonts" and str(cfg.style) != "handwritten":
+        raise ValueError(f"data.glyphs={cfg.glyphs} draws handwriting: set data.style=handwritten as well")
+
+
 def _handwriting_params(cfg) -> dict:
     from wapstable.data.crohme import Raster
 
@@ -951,13 +975,33 @@ def _handwriting_params(cfg) -> dict:
             f"data.style=handwritten needs data.line_width >= 1 and data.height >= 16, got {cfg.line_width} and "
             f"{cfg.height}"
         )
-    return dict(
+    out = dict(
         style="handwritten",
         handwriting=HANDWRITING_VERSION,
         raster=list(Raster.of(cfg)),
         hershey=importlib.metadata.version("hershey-fonts"),
         pillow=importlib.metadata.version("pillow"),
     )
+    if str(cfg.glyphs) == "crohme":  # real symbols: the bank's key names the files they were cut from
+        out["glyphs"] = "crohme"
+        out["glyph_bank"] = _bank_path(cfg).parent.name
+    return out
+
+
+def _bank_path(cfg) -> Path:
+    """data.glyphs=crohme: the cached bank of symbols cut from data.root/data.train (built on first use)."""
+    from wapstable.data.ink_bank import bank_path
+    from wapstable.data.latex import DataError
+
+    if not cfg.root:
+        raise ValueError(
+            "data.glyphs=crohme cuts real symbols from the CROHME training files: set data.root to the "
+            "CROHME_labeled_2016 folder"
+        )
+    try:
+        return bank_path(Path(cfg.root).expanduser() / cfg.train, float(cfg.valid_fraction), cfg.cache_dir)
+    except DataError as e:
+        raise ValueError(str(e)) from None
 
 
 def _save(path: Path, splits: dict[str, list[Sample]], params: dict) -> None:

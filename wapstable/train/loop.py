@@ -269,6 +269,11 @@ def pretrain_first(cfg: DictConfig, parallel_jobs: int = 1) -> DictConfig:
         synthetic = OmegaConf.load(CONF_DIR / "data" / "synthetic.yaml")
         data = OmegaConf.merge(OmegaConf.structured(DataConfig), synthetic, p.data)
         data.cache_dir = cfg.data.cache_dir
+        # real symbols from the run's own training files, its validation hold-out excluded
+        if str(data.glyphs) == "crohme":
+            for key in ("root", "train", "valid_fraction"):
+                if key not in p.data:
+                    data[key] = cfg.data[key]
         sub = OmegaConf.merge(
             cfg,
             {
