@@ -190,7 +190,10 @@ def test_bad_style_values_are_refused(tmp_path, cache_dir, args, says):
     assert not (tmp_path / "run" / "metrics.json").exists()
 
 
-def test_make_figures_draws_handwriting_beside_real_ink(tmp_path):
+def test_make_figures_draws_handwriting_beside_real_ink(tmp_path, monkeypatch):
+    monkeypatch.setenv(
+        "WAPSTABLE_CACHE", str(tmp_path / "cache")
+    )  # the symbol bank of --crohme is cached there
     from test_figures import assert_png
     from test_guidance import INKML
 
@@ -201,6 +204,7 @@ def test_make_figures_draws_handwriting_beside_real_ink(tmp_path):
     out = tmp_path / "docs"
     assert figures.main(["--only", "handwriting", "--out", str(out), "--crohme", str(tmp_path / "ink")]) == 0
     assert_png(out / "handwriting.png")
+    assert list((tmp_path / "cache" / "glyphs").glob("*/bank.npz"))  # the real-symbol panels used it
     panels = figures._crohme_panels(tmp_path / "ink", 4, RASTER)
     assert len(panels) == 1 and panels[0][0].shape[0] <= RASTER.height
 

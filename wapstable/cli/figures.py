@@ -154,10 +154,22 @@ def handwriting(out: Path, n: int = 8, seed: int = 2, crohme: Path | None = None
         image, boxes = render_handwritten(tokens, FONTS[i % len(FONTS)], int(data.font_size), rng, raster)
         panels.append((image, boxes, tokens, "rendered handwriting (data.style=handwritten)"))
     if crohme is not None:
+        from wapstable.data.ink_bank import bank_path, load_bank
+
+        # the same layouts with real symbols cut from the folder's traceGroups (data.glyphs=crohme)
+        bank = load_bank(str(bank_path(Path(crohme), float(data.valid_fraction), data.cache_dir)))
+        for i, tokens in enumerate(generate_expressions(4, seed + 1, int(data.difficulty), symbols="crohme")):
+            rng = np.random.default_rng([seed + 1, i])
+            image, boxes = render_handwritten(tokens, "cm", int(data.font_size), rng, raster, 1.0, bank)
+            panels.append((image, boxes, tokens, "real symbols in a rendered layout (data.glyphs=crohme)"))
         panels += _crohme_panels(Path(crohme), 4, raster)
     title = (
         "experiment=handwritten's training images: mathtext's layout drawn as jittered stroke-font glyphs"
-        + (", beside real CROHME ink rasterised alike" if crohme is not None else "")
+        + (
+            "; the same with real symbols cut from CROHME files; real CROHME ink"
+            if crohme is not None
+            else ""
+        )
     )
     return _box_figure(panels, n, title, out / "handwriting.png")
 
