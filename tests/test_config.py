@@ -45,10 +45,10 @@ def test_defaults():
     assert ada.schedule == "constant"
 
 
-@pytest.mark.parametrize("name", ["synthetic_long", "crohme", "wap_crohme", "densewap_crohme"])
+@pytest.mark.parametrize("name", ["synthetic_long", "handwritten", "crohme", "wap_crohme", "densewap_crohme"])
 def test_experiment_presets(name):
     found = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
-    assert found == ["crohme", "densewap_crohme", "synthetic_long", "wap_crohme"]
+    assert found == ["crohme", "densewap_crohme", "handwritten", "synthetic_long", "wap_crohme"]
     cfg = compose_config(
         [f"experiment={name}", "data.root=/data"] if "crohme" in name else [f"experiment={name}"]
     )
@@ -57,6 +57,15 @@ def test_experiment_presets(name):
         assert cfg.data.name == "synthetic" and cfg.data.difficulty == 2 and cfg.data.num_train == 10000
         assert cfg.trainer.max_minutes == 26 and cfg.model.name == "small"
         assert (cfg.data.num_valid, cfg.data.num_test) == (200, 200)
+        return
+    if name == "handwritten":
+        # rendered handwriting over the CROHME dictionary, drawn as data=crohme draws ink; CROHME only to test
+        assert (
+            cfg.data.name == "synthetic" and cfg.data.symbols == "crohme" and cfg.data.style == "handwritten"
+        )
+        assert cfg.data.scale == "symbol" and cfg.data.glyphs == "fonts" and cfg.data.root is None
+        assert dict(cfg.data.test_sets) == {"2014": "TestEM2014GT", "2016": "TEST2016_INKML_GT"}
+        assert 0 < cfg.trainer.max_minutes <= 55 and cfg.decode.final_beam_size == 10
         return
     # every CROHME preset reads the published layout: TrainINKML, a held-out validation split, two test sets
     assert cfg.data.train == "TrainINKML" and cfg.data.valid is None and cfg.data.valid_fraction > 0
