@@ -70,7 +70,7 @@ def synthetic_splits(cfg_data, which: Sequence[str]) -> dict[str, list[Sample]]:
                 f"empty; set data.num_{split} to a positive number"
             )
     splits = Splits({split: samples for split, samples in build_splits(cfg_data).items() if split in which})
-    if "test" in which and cfg_data.root and cfg_data.test_sets:
+    if "test" in which and getattr(cfg_data, "root", None) and getattr(cfg_data, "test_sets", None):
         # rendered training data, real test sets: data.root and data.test_sets name CROHME folders, read as
         # data=crohme reads them (the same raster settings), each reported on its own
         from wapstable.data.crohme import crohme_splits
@@ -127,7 +127,9 @@ SOURCES = {
 def load_vocab(cfg_data, splits: dict[str, list[Sample]]) -> Vocab:
     """The dictionary file when the data set has one (WAP format), the CROHME 2014 dictionary for data=crohme and
     data.symbols=crohme, else every token of the data."""
-    if not cfg_data.dictionary and (cfg_data.name == "crohme" or str(cfg_data.symbols) == "crohme"):
+    if not cfg_data.dictionary and (
+        cfg_data.name == "crohme" or str(getattr(cfg_data, "symbols", "")) == "crohme"
+    ):
         from wapstable.data.latex import crohme_vocab
 
         return crohme_vocab()

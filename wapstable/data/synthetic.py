@@ -957,13 +957,18 @@ def _cache_params(cfg) -> dict:
         torchvision=importlib.metadata.version("torchvision"),
         numpy=np.__version__,
         # only when not the default, so that the caches of default configs stay valid
-        **({"symbols": str(cfg.symbols)} if str(cfg.symbols) != "base" else {}),
-        **(_handwriting_params(cfg) if str(cfg.style) == "handwritten" else {}),
+        **({"symbols": _key(cfg, "symbols")} if _key(cfg, "symbols") != "base" else {}),
+        **(_handwriting_params(cfg) if _key(cfg, "style") == "handwritten" else {}),
     )
 
 
+def _key(cfg, name: str) -> str:
+    """A data key that selects what is drawn, as a string; a config from before it existed has its default."""
+    return str(getattr(cfg, name, {"symbols": "base", "style": "printed", "glyphs": "fonts"}[name]))
+
+
 def _check_glyphs(cfg) -> None:
-    if str(cfg.glyphs) != "fonts" and str(cfg.style) != "handwritten":
+    if _key(cfg, "glyphs") != "fonts" and _key(cfg, "style") != "handwritten":
         raise ValueError(f"data.glyphs={cfg.glyphs} draws handwriting: set data.style=handwritten as well")
 
 
@@ -982,7 +987,7 @@ def _handwriting_params(cfg) -> dict:
         hershey=importlib.metadata.version("hershey-fonts"),
         pillow=importlib.metadata.version("pillow"),
     )
-    if str(cfg.glyphs) == "crohme":  # real symbols: the bank's key names the files they were cut from
+    if _key(cfg, "glyphs") == "crohme":  # real symbols: the bank's key names the files they were cut from
         out["glyphs"] = "crohme"
         out["glyph_bank"] = _bank_path(cfg).parent.name
     return out
