@@ -81,13 +81,8 @@ def test_every_glyph_the_layout_uses_has_strokes(crohme_labels):
     seen = set()
     for tokens in crohme_labels[:150]:
         for font in S.FONTS:
-            rec = S._Recorder()
-            with rec.on():
-                S.MathTextParser._parse_cached.cache_clear()
-                S.MathTextParser("agg").parse(
-                    S.tokens_to_mathtext(tokens), dpi=72, prop=S._font_properties(font, 28)
-                )
-            seen |= {c for _, kind, _, c in rec.items if kind == "g"}
+            _, items = S._laid_out(tokens, font, 28, record=True)
+            seen |= {c for _, kind, _, c in items if kind == "g"}
     missing = {
         (c, f) for c in seen for f in hw.TEXT_FONTS if not S._is_radical(c) and hw.unit_strokes(c, f) is None
     }

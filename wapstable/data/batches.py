@@ -55,14 +55,8 @@ def by_test_set(samples: Sequence[Sample]) -> dict[str, list[Sample]]:
 
 def synthetic_splits(cfg_data, which: Sequence[str]) -> dict[str, list[Sample]]:
     """Expressions rendered by the project itself (cached under data.cache_dir)."""
-    from wapstable.data.synthetic import _cache_params, build_splits
+    from wapstable.data.synthetic import build_splits
 
-    try:
-        _cache_params(
-            cfg_data
-        )  # a bad data.fonts, data.num_*, or raster for data.style=handwritten: one sentence
-    except ValueError as e:
-        raise UserError(str(e)) from None
     for split in which:
         if getattr(cfg_data, f"num_{split}") <= 0:
             raise UserError(

@@ -84,10 +84,15 @@ def bank_path(folder: str | Path, valid_fraction: float, cache_dir: str | Path) 
     files = sorted(folder.rglob("*.inkml"))
     if not files:
         raise DataError(f"data.glyphs=crohme: {folder} has no .inkml files to cut symbols from")
-    path = Path(cache_dir).expanduser() / "glyphs" / _key(folder, files, valid_fraction) / "bank.npz"
+    path = cache_file(cache_dir, _key(folder, files, valid_fraction))
     if not path.is_file():
         _save(path, _build(files, valid_fraction))
     return path
+
+
+def cache_file(cache_dir: str | Path, key: str) -> Path:
+    """The cached bank of key `key` (a bank_path's folder name) under `cache_dir`."""
+    return Path(cache_dir).expanduser() / "glyphs" / key / "bank.npz"
 
 
 def _build(files: list[Path], valid_fraction: float) -> Bank:

@@ -30,6 +30,7 @@ from matplotlib.mathtext import MathTextParser
 
 from wapstable.data.cache import pack_images, unpack_images, write_npz
 from wapstable.data.sample import Sample, no_boxes
+from wapstable.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,9 @@ class _Grammar:
     """A recursive generator of token lists; `depth` counts how many more structures may nest inside."""
 
     letters, greek = LETTERS, GREEK
+    operators, op_weights = OPERATORS, OP_WEIGHTS
+    relations, rel_weights = RELATIONS, REL_WEIGHTS
+    structures = STRUCTURES
 
     def __init__(self, rng: np.random.Generator, difficulty: int):
         if difficulty not in LEVELS:
@@ -102,7 +106,7 @@ class _Grammar:
         depth = self.level.depth
         out = self.side(depth, self.level.terms)
         if self.rng.random() < self.level.p_rel:
-            out += [self.pick(RELATIONS, REL_WEIGHTS), *self.side(depth, self.level.terms)]
+            out += [self.pick(self.relations, self.rel_weights), *self.side(depth, self.level.terms)]
         return out
 
     def side(self, depth: int, terms: tuple[int, int]) -> list[str]:
@@ -110,7 +114,7 @@ class _Grammar:
         out = ["-"] if self.rng.random() < 0.1 else []
         for i in range(n):
             if i:
-                out.append(self.pick(OPERATORS, OP_WEIGHTS))
+                out.append(self.pick(self.operators, self.op_weights))
             out += self.term(depth)
         return out
 
@@ -118,7 +122,9 @@ class _Grammar:
         if depth <= 0 or self.structs <= 0 or self.rng.random() >= self.level.p_struct:
             return self.atoms()
         self.structs -= 1
-        kind = self.pick(STRUCTURES, self.kind_p)
+        return self.structure(self.pick(self.structures, self.kind_p), depth)
+
+    def structure(self, kind: str, depth: int) -> list[str]:
         inner = self.level.inner
         if kind == "frac":
             return ["\\frac", "{", *self.side(depth - 1, inner), "}", "{", *self.side(depth - 1, inner), "}"]
@@ -211,6 +217,9 @@ class _CrohmeGrammar(_Grammar):
     quantifiers and arrows, in the forms the CROHME training labels use them."""
 
     letters, greek = FULL_LETTERS, FULL_GREEK
+    operators, op_weights = FULL_OPERATORS, FULL_OP_WEIGHTS
+    relations, rel_weights = FULL_RELATIONS, FULL_REL_WEIGHTS
+    structures = FULL_STRUCTURES
 
     def __init__(self, rng: np.random.Generator, difficulty: int):
         super().__init__(rng, difficulty)
@@ -218,46 +227,21 @@ class _CrohmeGrammar(_Grammar):
         self.kind_p = kinds / kinds.sum()
 
     def expression(self) -> list[str]:
+        if self.rng.random() >= 0.04:
+            return super().expression()
+        # \forall x \in A , ... / \exists x
         self.structs = self.level.structs
-        depth = self.level.depth
-        r = self.rng.random()
-        if r < 0.04:  # \forall x \in A , ... / \exists x
-            q = self.pick(["\\forall", "\\exists"])
-            out = [q, self.pick(FULL_LETTERS[:26])]
-            if self.rng.random() < 0.6:
-                out += ["\\in", self.pick(list("ABCEFGHILMNPRSTVXY"))]
-            if self.rng.random() < 0.5:
-                out += [",", *self.side(depth, (1, 2))]
-            return out
-        out = self.side(depth, self.level.terms)
-        if self.rng.random() < self.level.p_rel:
-            out += [self.pick(FULL_RELATIONS, FULL_REL_WEIGHTS), *self.side(depth, self.level.terms)]
+        out = [self.pick(["\\forall", "\\exists"]), self.pick(FULL_LETTERS[:26])]
+        if self.rng.random() < 0.6:
+            out += ["\\in", self.pick(list("ABCEFGHILMNPRSTVXY"))]
+        if self.rng.random() < 0.5:
+            out += [",", *self.side(self.level.depth, (1, 2))]
         return out
 
-    def side(self, depth: int, terms: tuple[int, int]) -> list[str]:
-        n = int(self.rng.integers(terms[0], terms[1] + 1))
-        out = ["-"] if self.rng.random() < 0.1 else []
-        for i in range(n):
-            if i:
-                out.append(self.pick(FULL_OPERATORS, FULL_OP_WEIGHTS))
-            out += self.term(depth)
-        return out
-
-    def term(self, depth: int) -> list[str]:
-        if depth <= 0 or self.structs <= 0 or self.rng.random() >= self.level.p_struct:
-            return self.atoms()
-        self.structs -= 1
-        kind = self.pick(FULL_STRUCTURES, self.kind_p)
-        inner = self.level.inner
-        if kind == "frac":
-            return ["\\frac", "{", *self.side(depth - 1, inner), "}", "{", *self.side(depth - 1, inner), "}"]
+    def structure(self, kind: str, depth: int) -> list[str]:
         if kind == "sqrt":
             index = ["[", self.pick(["3", "n", "4"]), "]"] if self.rng.random() < 0.15 else []
-            return ["\\sqrt", *index, "{", *self.side(depth - 1, inner), "}"]
-        if kind == "script":
-            return self.scripted(depth)
-        if kind == "bracket":
-            return self.bracket(depth)
+            return ["\\sqrt", *index, "{", *self.side(depth - 1, self.level.inner), "}"]
         if kind == "function":
             return self.function(depth)
         if kind == "lim":
@@ -266,7 +250,7 @@ class _CrohmeGrammar(_Grammar):
             return self.listing()
         if kind == "abs":
             return ["|", *self.side(depth - 1, (1, 2)), "|"]
-        return self.bigop(depth)
+        return super().structure(kind, depth)
 
     def atoms(self) -> list[str]:
         r = self.rng.random()
@@ -687,12 +671,14 @@ def _token_boxes(tokens: list[str], items: list, img: np.ndarray) -> np.ndarray 
     for i, kind, box, _ in matched:
         if tokens[i] == "\\sqrt" and kind == "r":
             continue  # the sign marks the root; its bar spans the radicand, whose own tokens are there
-        x0, y0, x1, y1 = _ink_box(box, img)
-        if not np.isnan(boxes[i, 0]):  # a function name's next letter
-            x0, y0 = min(x0, boxes[i, 0]), min(y0, boxes[i, 1])
-            x1, y1 = max(x1, boxes[i, 2]), max(y1, boxes[i, 3])
-        boxes[i] = (x0, y0, x1, y1)
+        _grow(boxes, i, _ink_box(box, img))  # a function name's letters make one box
     return boxes
+
+
+def _grow(boxes: np.ndarray, i: int, box) -> None:
+    """Row `i` of `boxes` widened to enclose `box` (x0, y0, x1, y1); a NaN row becomes `box`."""
+    boxes[i, :2] = np.fmin(boxes[i, :2], box[:2])
+    boxes[i, 2:] = np.fmax(boxes[i, 2:], box[2:])
 
 
 @contextmanager
@@ -706,21 +692,30 @@ def _collect_boxes():
         _box_sink = before
 
 
-def _parse(
-    tokens: list[str], font: str, font_size: int, record: bool
-) -> tuple[np.ndarray, np.ndarray | None]:
-    global _parser, box_failures
+def _laid_out(tokens: list[str], font: str, font_size: int, record: bool) -> tuple[np.ndarray, list]:
+    """Mathtext's image of `tokens` and, with `record`, the glyphs and rules of its layout (_Recorder.items)."""
+    global _parser
     if _parser is None:
         _parser = MathTextParser("agg")
     source, prop = tokens_to_mathtext(tokens), _font_properties(font, font_size)
     if not record:
-        return np.asarray(_parser.parse(source, dpi=72, prop=prop).image, dtype=np.uint8), None
+        return np.asarray(_parser.parse(source, dpi=72, prop=prop).image, dtype=np.uint8), []
     MathTextParser._parse_cached.cache_clear()  # a cached parse lays nothing out, so it records nothing
     recorder = _Recorder()
+    with recorder.on():
+        img = np.asarray(_parser.parse(source, dpi=72, prop=prop).image, dtype=np.uint8)
+    return img, recorder.items
+
+
+def _parse(
+    tokens: list[str], font: str, font_size: int, record: bool
+) -> tuple[np.ndarray, np.ndarray | None]:
+    global box_failures
+    if not record:
+        return _laid_out(tokens, font, font_size, record=False)[0], None
     try:
-        with recorder.on():
-            img = np.asarray(_parser.parse(source, dpi=72, prop=prop).image, dtype=np.uint8)
-        boxes = _token_boxes(tokens, recorder.items, img)
+        img, items = _laid_out(tokens, font, font_size, record=True)
+        boxes = _token_boxes(tokens, items, img)
     except AttributeError:  # a matplotlib whose mathtext internals differ: the image, without boxes
         img, boxes = _parse(tokens, font, font_size, record=False)[0], None
     if boxes is None:
@@ -785,15 +780,9 @@ def render_handwritten(
     from wapstable.data import handwriting as hw
     from wapstable.data.crohme import rasterize_traces
 
-    global _parser
-    if _parser is None:
-        _parser = MathTextParser("agg")
-    MathTextParser._parse_cached.cache_clear()  # a cached parse lays nothing out, so it records nothing
-    recorder = _Recorder()
-    with recorder.on():
-        _parser.parse(tokens_to_mathtext(tokens), dpi=72, prop=_font_properties(font, font_size))
-    items = sorted(recorder.items, key=lambda item: item[0])
-    matched = _match(tokens, recorder.items)
+    _, recorded = _laid_out(tokens, font, font_size, record=True)
+    items = sorted(recorded, key=lambda item: item[0])
+    matched = _match(tokens, recorded)
     owners = [m[0] for m in matched] if matched is not None else [None] * len(items)
     text_font = hw.TEXT_FONTS[int(rng.choice(len(hw.TEXT_FONTS), p=hw.TEXT_FONT_WEIGHTS))]
     drawn: list[tuple[int | None, np.ndarray]] = []  # (token index, stroke)
@@ -830,10 +819,7 @@ def render_handwritten(
             px = (stroke - lo) * scale + offset
             x0, y0 = px.min(0) - pad
             x1, y1 = px.max(0) + pad
-            if not np.isnan(boxes[owner, 0]):
-                x0, y0 = min(x0, boxes[owner, 0]), min(y0, boxes[owner, 1])
-                x1, y1 = max(x1, boxes[owner, 2]), max(y1, boxes[owner, 3])
-            boxes[owner] = (max(0.0, x0), max(0.0, y0), min(float(w), x1), min(float(h), y1))
+            _grow(boxes, owner, (max(0.0, x0), max(0.0, y0), min(float(w), x1), min(float(h), y1)))
     return img, boxes
 
 
@@ -845,6 +831,9 @@ def _render_chunk(job: tuple) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]
     """(image, token boxes) of each label of the job, and how many layouts did not match their tokens."""
     split_code, start, labels, fonts, font_size, augment, seed, raster, bank_file = job
     out, failures = [], box_failures
+    unmatched = (
+        0  # handwritten layouts that did not match their tokens (render() counts its own in box_failures)
+    )
     bank = None
     if bank_file is not None:
         from wapstable.data.ink_bank import load_bank
@@ -856,12 +845,12 @@ def _render_chunk(job: tuple) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]
             font = fonts[int(rng.integers(len(fonts)))]
             if raster is not None:  # data.style=handwritten
                 image, boxes = render_handwritten(tokens, font, font_size, rng, raster, float(augment), bank)
-                failures -= bool(np.isnan(boxes).all())
+                unmatched += bool(np.isnan(boxes).all())
                 out.append((image, boxes))
                 continue
             image = render(tokens, font, font_size, rng, augment)
             out.append((image, sink.pop() if sink else no_boxes(len(tokens))))
-    return out, box_failures - failures
+    return out, box_failures - failures + unmatched
 
 
 def _worker_init() -> None:
@@ -888,9 +877,9 @@ def _render_all(labels: dict[str, list[list[str]]], cfg, params: dict) -> dict[s
 
         raster = Raster.of(cfg)
     if params.get("glyphs") == "crohme":
-        from wapstable.data.ink_bank import load_bank
+        from wapstable.data.ink_bank import cache_file, load_bank
 
-        bank_file = str(_bank_path(cfg))
+        bank_file = str(cache_file(cfg.cache_dir, params["glyph_bank"]))  # _cache_params built it
         load_bank(bank_file)  # once here: the render workers fork with it
     chunk = max(1, min(256, math.ceil(total / max(1, 4 * workers))))
     jobs, owners = [], []
@@ -936,11 +925,14 @@ def _cache_params(cfg) -> dict:
     _check_glyphs(cfg)
     fonts = [str(f) for f in cfg.fonts]
     if not fonts:
-        raise ValueError(f"data.fonts must name at least one mathtext font set of {list(FONTS)}")
+        raise UserError(f"data.fonts must name at least one mathtext font set of {list(FONTS)}")
     for font in fonts:
-        _font_properties(font, int(cfg.font_size))  # an unknown font set fails here, not in a worker
+        try:
+            _font_properties(font, int(cfg.font_size))  # an unknown font set fails here, not in a worker
+        except ValueError as e:
+            raise UserError(f"data.fonts: {e}") from None
     if min(cfg.num_train, cfg.num_valid, cfg.num_test) < 0:
-        raise ValueError("data.num_train, num_valid and num_test must not be negative")
+        raise UserError("data.num_train, num_valid and num_test must not be negative")
     return dict(
         format=FORMAT_VERSION,
         num_train=int(cfg.num_train),
@@ -969,14 +961,14 @@ def _key(cfg, name: str) -> str:
 
 def _check_glyphs(cfg) -> None:
     if _key(cfg, "glyphs") != "fonts" and _key(cfg, "style") != "handwritten":
-        raise ValueError(f"data.glyphs={cfg.glyphs} draws handwriting: set data.style=handwritten as well")
+        raise UserError(f"data.glyphs={cfg.glyphs} draws handwriting: set data.style=handwritten as well")
 
 
 def _handwriting_params(cfg) -> dict:
     from wapstable.data.crohme import Raster
 
     if int(cfg.line_width) < 1 or int(cfg.height) < 16:
-        raise ValueError(
+        raise UserError(
             f"data.style=handwritten needs data.line_width >= 1 and data.height >= 16, got {cfg.line_width} and "
             f"{cfg.height}"
         )
@@ -995,18 +987,14 @@ def _handwriting_params(cfg) -> dict:
 
 def _bank_path(cfg) -> Path:
     """data.glyphs=crohme: the cached bank of symbols cut from data.root/data.train (built on first use)."""
-    from wapstable.data.ink_bank import bank_path
-    from wapstable.data.latex import DataError
+    from wapstable.data.ink_bank import bank_path  # its DataError is a UserError: one sentence
 
     if not cfg.root:
-        raise ValueError(
+        raise UserError(
             "data.glyphs=crohme cuts real symbols from the CROHME training files: set data.root to the "
             "CROHME_labeled_2016 folder"
         )
-    try:
-        return bank_path(Path(cfg.root).expanduser() / cfg.train, float(cfg.valid_fraction), cfg.cache_dir)
-    except DataError as e:
-        raise ValueError(str(e)) from None
+    return bank_path(Path(cfg.root).expanduser() / cfg.train, float(cfg.valid_fraction), cfg.cache_dir)
 
 
 def _save(path: Path, splits: dict[str, list[Sample]], params: dict) -> None:
