@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from wapstable.config import AttentionConfig, ModelConfig
 from wapstable.model.attention import CoverageAttention, grid_positions
+from wapstable.model.decoding import beam_search, greedy_decode
 from wapstable.model.wap import build_model
 
 V = 11
@@ -109,13 +110,16 @@ def test_padding_does_not_change_the_output(watcher, size, positions):
 
 
 @pytest.mark.parametrize("positions", [0, 8])
-def test_step_reproduces_teacher_forcing(positions):
+@pytest.mark.parametrize("readout", [False, True])
+def test_step_reproduces_teacher_forcing(positions, readout):
     # Greedy decoding must see the same math the model was trained with: step() runs the readout per token,
-    # teacher forcing runs it once over all tokens after the recurrence.
+    # teacher forcing runs it once over all tokens after the recurrence; the symbol readout likewise.
     torch.manual_seed(0)
-    cfg = tiny_cfg("vgg")
+    cfg = tiny_cfg("vgg", symbol_map=1.0 if readout else 0.0, symbol_readout=readout)
     cfg.attention.position_features = positions
-    model = build_model(cfg, V).eval()
+    model = build_model(cfg, V)
+    randomise_batchnorm(model)  # a symbol head whose map is not flat, so that the readout adds something
+    model.eval()
     x, mask = pad_batch([torch.rand(17, 30), torch.rand(12, 41)])
     y, tmask = targets(2, 5)
     with torch.no_grad():
@@ -128,6 +132,32 @@ def test_step_reproduces_teacher_forcing(positions):
             assert alpha.shape == state.coverage.shape
             prev = y[:, t]
     torch.testing.assert_close(state.coverage.sum((1, 2)), torch.full((2,), 5.0))
+    assert (state.symbols is not None) == readout
+
+
+def test_symbol_readout_adds_the_attended_symbol_map_to_the_logits():
+    torch.manual_seed(0)
+    on = build_model(tiny_cfg("vgg", symbol_map=1.0, symbol_readout=True), V)
+    off = build_model(tiny_cfg("vgg", symbol_map=1.0), V)
+    off.load_state_dict(on.state_dict())
+    randomise_batchnorm(on)
+    off.load_state_dict(on.state_dict())
+    on.eval(), off.eval()
+    x, mask = pad_batch([torch.rand(17, 30), torch.rand(12, 41)])
+    y, tmask = targets(2, 5)
+    with torch.no_grad():
+        plain, alphas = off(x, mask, y, tmask, with_alphas=True)[::2]
+        read = on(x, mask, y, tmask)
+        features, _ = on.encode(x, mask)
+        maps = F.log_softmax(on.symbol_head(features), 1)  # (B, V, h, w)
+        by_hand = (alphas.unsqueeze(2) * maps.unsqueeze(1)).sum((-2, -1))  # (B, T, V)
+    by_hand[..., 0] = 0  # the background row says nothing about <eol>
+    torch.testing.assert_close(read, plain + by_hand, atol=1e-5, rtol=1e-5)
+    assert by_hand.abs().amax() > 0.1
+    beams = [beam_search(on, x, mask, k, 6) for k in (1, 3)]
+    assert beams[0] == greedy_decode(on, x, mask, 6)  # the readout in both decoders, through select_state
+    no_map = build_model(tiny_cfg("vgg", symbol_readout=True), V)  # without the map there is nothing to read
+    assert not no_map.symbol_readout and no_map.init_state(*no_map.encode(x, mask)).symbols is None
 
 
 def test_select_state():
@@ -172,6 +202,28 @@ def test_block_convs_set_each_blocks_depth():
     assert [len(block) for block in build_model(tiny_cfg("vgg"), V).watcher.blocks] == [2, 2]
 
 
+@pytest.mark.parametrize("size", [(13, 29), (16, 32)])
+def test_pool_last_false_halves_the_stride_and_keeps_padding_invisible(size):
+    torch.manual_seed(0)
+    fine, coarse = build_model(tiny_cfg("vgg", pool_last=False), V), build_model(tiny_cfg("vgg"), V)
+    assert (fine.watcher.stride, coarse.watcher.stride) == (2, 4)
+    coarse.load_state_dict(fine.state_dict())  # the same weights: only the last pool differs
+    x, mask = pad_batch([torch.rand(*size)])
+    f_fine, m_fine = fine.encode(x, mask)
+    f_coarse, _ = coarse.encode(x, mask)
+    assert f_fine.shape[-2:] == (math.ceil(size[0] / 2), math.ceil(size[1] / 2))
+    torch.testing.assert_close(F.max_pool2d(f_fine, 2, ceil_mode=True), f_coarse)  # the pool it leaves out
+    randomise_batchnorm(fine)
+    fine.eval()
+    y, tmask = targets(2, 5)
+    with torch.no_grad():
+        alone = fine(x, mask, y[:1], tmask[:1])
+        batched = fine(*pad_batch([torch.rand(*size), torch.rand(23, 47)]), y, tmask)
+        again = fine(*pad_batch([x[0, 0, : size[0], : size[1]], torch.rand(23, 47)]), y, tmask)
+    assert batched.shape == (2, 5, V)
+    torch.testing.assert_close(again[:1], alone, atol=1e-5, rtol=1e-5)
+
+
 def test_bad_config_names_the_key():
     with pytest.raises(ValueError, match="model.block_convs"):
         build_model(tiny_cfg("vgg", block_convs=[1, 2, 3]), V)
@@ -179,6 +231,9 @@ def test_bad_config_names_the_key():
         build_model(tiny_cfg("resnet"), V)
     with pytest.raises(ValueError, match="model.embed_dim"):
         build_model(tiny_cfg("vgg", embed_dim=13), V)
+    for smoothing in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="model.label_smoothing"):
+            build_model(tiny_cfg("vgg", label_smoothing=smoothing), V)
 
 
 @pytest.mark.parametrize("stable", [False, True])
@@ -251,3 +306,23 @@ def test_counting_head_counts_symbols_and_trains_the_watcher():
     assert model.watcher.blocks[0][0][0].weight.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="model.counting"):
         build_model(tiny_cfg("vgg", counting=-1.0), V)
+
+
+def test_label_smoothing_is_the_smoothed_cross_entropy_of_the_training_loss_only():
+    from wapstable.data.batches import Batch
+    from wapstable.model.loss import forward_loss, sequence_loss
+
+    torch.manual_seed(0)
+    x, mask = pad_batch([torch.rand(13, 29), torch.rand(9, 40)])
+    y, tmask = targets(2, 6)
+    batch = Batch(x, mask, y, tmask, ["a", "b"])
+    plain, smoothed = build_model(tiny_cfg("vgg"), V), build_model(tiny_cfg("vgg", label_smoothing=0.2), V)
+    smoothed.load_state_dict(plain.state_dict())
+    assert (plain.label_smoothing, smoothed.label_smoothing) == (0.0, 0.2)
+    logits = plain(x, mask, y, tmask)
+    logp = F.log_softmax(logits, -1)
+    nll = -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    by_hand = ((0.8 * nll - 0.2 * logp.mean(-1)) * tmask).sum() / 2
+    torch.testing.assert_close(forward_loss(smoothed, batch), by_hand)
+    torch.testing.assert_close(forward_loss(plain, batch), sequence_loss(logits, y, tmask))
+    assert not torch.allclose(by_hand, forward_loss(plain, batch))

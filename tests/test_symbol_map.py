@@ -5,6 +5,7 @@ init_from, and a run through train.py that logs it."""
 import csv
 import logging
 import math
+import sys
 
 import pytest
 import torch
@@ -156,6 +157,12 @@ def test_a_run_with_the_symbol_map_logs_it(tmp_path, cache_dir, caplog):
     assert evals and all("symbol map" in m for m in evals)  # each evaluation's line says it
 
 
+def test_a_readout_without_the_map_is_told_and_left_off(caplog):
+    with caplog.at_level(logging.WARNING, logger="wapstable"):
+        validate_config(compose_config(["model.symbol_readout=true", "model.symbol_map=0"]))
+    assert any("model.symbol_readout=true does nothing" in r.getMessage() for r in caplog.records)
+
+
 def test_a_negative_weight_is_refused_and_data_without_boxes_is_told(caplog):
     with pytest.raises(UserError, match=r"model\.symbol_map"):
         validate_config(compose_config(["model.symbol_map=-1"]))
@@ -199,3 +206,54 @@ def test_a_skipped_step_skips_the_symbol_map(monkeypatch):
     monkeypatch.undo()
     assert guard.step(forward_loss(model, batch)).outcome is Outcome.ACCEPTED
     assert not torch.equal(before["symbol_head.weight"], model.symbol_head.weight)
+
+
+def test_the_finer_grid_readout_and_smoothing_run_end_to_end_through_train_py(tmp_path, cache_dir):
+    import json
+
+    from conftest import ROOT, python_run, run_train
+
+    from wapstable.checkpoint import load_checkpoint
+    from wapstable.eval.evaluation import load_model
+
+    run = tmp_path / "run"
+    opts = [
+        "model.pool_last=false",
+        "model.symbol_map=1",
+        "model.symbol_readout=true",
+        "model.label_smoothing=0.1",
+    ]
+    run_train([*opts, "trainer.max_steps=6", "trainer.eval_every=3", "logger=csv"], run, cache_dir)
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["steps"] == 6 and math.isfinite(metrics["test_wer"])
+    ckpt = run / "checkpoints" / "best.pt"
+    model, _, _ = load_model(
+        ckpt
+    )  # the checkpoint's own config rebuilds the same model, its last pool left out
+    assert model.watcher.stride == 8 and model.symbol_readout and model.label_smoothing == 0.1
+    assert model.watcher.stride == 2 ** (len(load_checkpoint(ckpt)["config"]["model"]["channels"]) - 1)
+    # evaluate.py decodes with the readout, as the run's final test did: the same figures
+    proc = python_run(
+        [sys.executable, str(ROOT / "scripts" / "evaluate.py"), str(ckpt), "trainer.device=cpu"]
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((ckpt.parent / "eval-test.json").read_text())
+    assert result["exprate"] == metrics["test_exprate"] and result["wer"] == pytest.approx(
+        metrics["test_wer"]
+    )
+
+
+@pytest.mark.parametrize(
+    "args, key",
+    [
+        (["model.label_smoothing=1.0"], "model.label_smoothing"),
+        (["model.label_smoothing=-0.1"], "model.label_smoothing"),
+    ],
+)
+def test_bad_smoothing_is_one_sentence_and_writes_nothing(tmp_path, cache_dir, args, key):
+    from conftest import run_train
+
+    proc = run_train(args, tmp_path / "run", cache_dir, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and key in out and "Traceback" not in out
+    assert not (tmp_path / "run" / "checkpoints").exists()

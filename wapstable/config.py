@@ -71,6 +71,9 @@ class ModelConfig:
     channels: list[int] = field(default_factory=lambda: [16, 32, 48, 64])
     convs_per_block: int = 2
     block_convs: list[int] = field(default_factory=list)  # convs in each block; empty = convs_per_block each
+    pool_last: bool = (
+        True  # false: no pool after the last block, annotations at half the stride (8 for 4 blocks)
+    )
     # DenseNet watcher (DenseWAP): conv7x7/2 + max-pool, dense blocks of bottleneck layers, transitions.
     dense_init_channels: int = 48
     dense_growth: int = 24
@@ -89,6 +92,12 @@ class ModelConfig:
     # what each symbol looks like from every cell of every image instead of only through the parser's loss.
     # Decoding does not use it; batches without boxes skip it. 0 = off.
     symbol_map: float = 0.0
+    # Label smoothing of the sequence loss (Szegedy et al. 2016): each token's target keeps 1 - eps of its mass
+    # and spreads eps over the vocabulary. 0 = off, WAP's plain negative log-likelihood.
+    label_smoothing: float = 0.0
+    # The symbol readout (docs/guidance.md): each decoding step's logits also get the symbol map's log-probabilities
+    # averaged under its attention. Needs model.symbol_map > 0; used in decoding too.
+    symbol_readout: bool = False
     attention: AttentionConfig = field(default_factory=AttentionConfig)
 
 

@@ -11,9 +11,14 @@ import torch.nn.functional as F
 from wapstable.device import autocast
 
 
-def sequence_loss(logits: torch.Tensor, targets: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
-    """WAP's cost: negative log-likelihood summed over the tokens of each label, averaged over the batch."""
-    nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")  # (B*T,)
+def sequence_loss(
+    logits: torch.Tensor, targets: torch.Tensor, target_mask: torch.Tensor, smoothing: float = 0.0
+) -> torch.Tensor:
+    """WAP's cost: negative log-likelihood summed over the tokens of each label, averaged over the batch (with
+    `smoothing` > 0, the cross-entropy against the label-smoothed targets)."""
+    nll = F.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), reduction="none", label_smoothing=smoothing
+    )  # (B*T,)
     return (nll.view_as(target_mask) * target_mask).sum() / targets.shape[0]
 
 
@@ -124,7 +129,9 @@ def forward_loss(model, batch, fault=None, step: int = -1, precision: str = "32"
         else:
             out = model(images, batch.image_mask, batch.targets, batch.target_mask, with_counts=weight > 0)
             logits, counts = out if weight > 0 else (out, None)
-    loss = sequence_loss(logits, batch.targets, batch.target_mask)
+    loss = sequence_loss(
+        logits, batch.targets, batch.target_mask, float(getattr(core, "label_smoothing", 0.0))
+    )
     if counts is not None:
         loss = loss + weight * counting_loss(counts, batch.targets, batch.target_mask)
     if g_weight > 0:

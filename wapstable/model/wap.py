@@ -8,7 +8,7 @@ border column then has its own cell, as it does when the image is alone), and av
 of valid pixels.
 """
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import NamedTuple
 
 import torch
@@ -34,7 +34,7 @@ def _masked_avg_pool(x: Tensor, mask: Tensor) -> Tensor:
 class VGGWatcher(nn.Module):
     """WAP's VGG-FCN watcher: blocks of conv3x3 + BN + ReLU, a 2x2 max-pool after each block."""
 
-    def __init__(self, channels: list[int], convs_per_block: int | list[int]):
+    def __init__(self, channels: list[int], convs_per_block: int | list[int], pool_last: bool = True):
         super().__init__()
         per_block = [convs_per_block] * len(channels) if isinstance(convs_per_block, int) else convs_per_block
         if len(per_block) != len(channels) or min(per_block, default=1) < 1:
@@ -54,13 +54,17 @@ class VGGWatcher(nn.Module):
                 cin = cout
             self.blocks.append(layers)
         self.out_channels = cin
-        self.stride = 2 ** len(channels)
+        # Without the last block's pool the annotations are twice as fine (stride 8 for 4 blocks), for small symbols.
+        self.pool_last = pool_last
+        self.stride = 2 ** (len(channels) - (0 if pool_last else 1))
 
     def forward(self, x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
         """(B, 1, H, W) image and mask -> (B, C, h, w) features and (B, 1, h, w) mask."""
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
             for layer in block:
                 x = F.relu(layer(x)) * mask
+            if i == len(self.blocks) - 1 and not self.pool_last:
+                break
             # Post-ReLU values are >= 0, so the zeroed padding never wins the max.
             x = F.max_pool2d(x, 2, ceil_mode=True)
             mask = _pool_mask(mask)
@@ -138,9 +142,11 @@ class DecoderState:
     features: Tensor  # (B, L, C) watcher annotations a_i, L = h*w
     proj: Tensor  # (B, L, A) U a_i, computed once per image
     mask: Tensor  # (B, h, w) valid feature positions
+    # (B, V, h, w) the symbol map's log-probabilities at each annotation (model.symbol_readout), else None
+    symbols: Tensor | None = None
 
 
-_MEMORY = ("features", "proj", "mask")
+_MEMORY = ("features", "proj", "mask", "symbols")
 
 
 def select_state(state: DecoderState, index: Tensor, memory: bool = True) -> DecoderState:
@@ -155,6 +161,7 @@ def select_state(state: DecoderState, index: Tensor, memory: bool = True) -> Dec
             if (not memory and f.name in _MEMORY)
             else getattr(state, f.name).index_select(0, index)
             for f in fields(state)
+            if getattr(state, f.name) is not None
         }
     )
 
@@ -209,7 +216,7 @@ class Parser(nn.Module):
         return (
             h,
             context,
-            DecoderState(h, state.coverage + alpha, state.features, state.proj, state.mask),
+            replace(state, h=h, coverage=state.coverage + alpha),
             alpha,
         )
 
@@ -249,6 +256,8 @@ class WAP(nn.Module):
         counting: float = 0.0,
         guide: dict | None = None,
         symbol_map: float = 0.0,
+        label_smoothing: float = 0.0,
+        symbol_readout: bool = False,
     ):
         super().__init__()
         self.watcher = watcher
@@ -269,6 +278,12 @@ class WAP(nn.Module):
         self.guide = guide
         self.guide_value: Tensor | None = None
         self.symbol_map_value: Tensor | None = None  # the symbol map's last unweighted loss, for the logs
+        self.label_smoothing = float(label_smoothing)  # of the training loss (wapstable.model.loss); 0 = off
+        # The symbol readout (model.symbol_readout): each step's output logits also get the symbol map's
+        # log-probabilities averaged under that step's attention, so the map reads the symbol the parser looks at;
+        # the background row adds nothing to <eol>. Used in training and decoding alike; without the map
+        # (model.symbol_map=0) it is off (train.py warns).
+        self.symbol_readout = bool(symbol_readout) and self.symbol_head is not None
 
     def output_layer_names(self) -> list[str]:
         """Dotted names of the output layer's parameters (adaptive gradient clipping leaves them alone)."""
@@ -291,12 +306,28 @@ class WAP(nn.Module):
 
     def init_state(self, features: Tensor, feat_mask: Tensor) -> DecoderState:
         """The parser's state before the first token."""
-        return self.parser.init_state(features, feat_mask)
+        state = self.parser.init_state(features, feat_mask)
+        if self.symbol_readout:
+            state = replace(state, symbols=self.symbol_log_probs(self.symbol_head(features)))
+        return state
+
+    def symbol_log_probs(self, symbol_logits: Tensor) -> Tensor:
+        """The symbol map's log-probabilities over the vocabulary, (B, V, h, w), float32; the background row 0."""
+        return F.log_softmax(symbol_logits.float(), 1)
+
+    def read_symbols(self, alphas: Tensor, maps: Tensor) -> Tensor:
+        """The symbol readout: log-probabilities `maps` (B, V, h, w) averaged under attention `alphas` (B, T, h, w),
+        (B, T, V), with 0 for <eol> (the map's row 0 is background, not the end of the expression)."""
+        read = torch.einsum("bthw,bvhw->btv", alphas.float(), maps)
+        return torch.cat([torch.zeros_like(read[..., :1]), read[..., 1:]], -1)
 
     def step(self, state: DecoderState, prev_tokens: Tensor) -> tuple[Tensor, DecoderState, Tensor]:
         """Decode one token: prev_tokens (B,) -> log_probs (B, V), new state, alpha (B, h, w)."""
         logits, state, alpha = self.parser.step(state, self.parser.embed(prev_tokens))
-        return F.log_softmax(logits.float(), -1), state, alpha
+        logits = logits.float()
+        if state.symbols is not None:
+            logits = logits + self.read_symbols(alpha.unsqueeze(1), state.symbols).squeeze(1)
+        return F.log_softmax(logits, -1), state, alpha
 
     def count(self, features: Tensor, feat_mask: Tensor) -> Tensor:
         """CAN's symbol counts: sigmoid densities of the counting head summed over the valid positions, (B, V)."""
@@ -325,9 +356,9 @@ class WAP(nn.Module):
         features, feat_mask = self.encode(images, image_mask)
         counts = self.count(features, feat_mask) if with_counts and self.counter is not None else None
         symbols = None
-        if with_symbols and self.symbol_head is not None:
+        if (with_symbols or self.symbol_readout) and self.symbol_head is not None:
             symbols = (self.symbol_head(features), feat_mask)
-        state = self.init_state(features, feat_mask)
+        state = self.parser.init_state(features, feat_mask)
         start = targets.new_full((targets.size(0), 1), self.start_index)
         emb = self.parser.embed(torch.cat([start, targets[:, :-1]], 1))  # (B, T, E)
         hs, contexts, alphas = [], [], []
@@ -335,19 +366,25 @@ class WAP(nn.Module):
             h, context, state, alpha = self.parser.recur(state, emb[:, t])
             hs.append(h)
             contexts.append(context)
-            if with_alphas:
+            if with_alphas or self.symbol_readout:
                 alphas.append(alpha)
         # The readout feeds nothing back into the recurrence, so teacher forcing runs it once over all steps:
         # the same logits as step() gives, with a third fewer ops in the per-token loop.
         logits = self.parser.readout_logits(torch.stack(hs, 1), emb, torch.stack(contexts, 1))
+        if self.symbol_readout:
+            logits = logits.float() + self.read_symbols(
+                torch.stack(alphas, 1), self.symbol_log_probs(symbols[0])
+            )
         if with_alphas or with_symbols:
-            return TrainOutputs(logits, counts, torch.stack(alphas, 1) if with_alphas else None, symbols)
+            alphas_out = torch.stack(alphas, 1) if with_alphas else None
+            return TrainOutputs(logits, counts, alphas_out, symbols if with_symbols else None)
         return (logits, counts) if with_counts else logits
 
 
 def vgg_watcher(c) -> VGGWatcher:
     block_convs = list(getattr(c, "block_convs", None) or [])  # absent from older checkpoints' configs
-    return VGGWatcher(list(c.channels), block_convs or c.convs_per_block)
+    pool_last = bool(getattr(c, "pool_last", True))  # absent from older checkpoints' configs
+    return VGGWatcher(list(c.channels), block_convs or c.convs_per_block, pool_last)
 
 
 def dense_watcher(c) -> DenseWatcher:
@@ -378,6 +415,9 @@ def build_model(cfg_model, vocab_size: int) -> WAP:
     symbol_map = float(getattr(c, "symbol_map", 0.0) or 0.0)  # absent from older checkpoints' configs
     if symbol_map < 0:
         raise ValueError(f"model.symbol_map={symbol_map} must be >= 0 (0 turns the symbol map off)")
+    smoothing = float(getattr(c, "label_smoothing", 0.0) or 0.0)  # absent from older checkpoints' configs
+    if not 0 <= smoothing < 1:
+        raise ValueError(f"model.label_smoothing={smoothing} must be in [0, 1) (0 turns it off)")
     return WAP(
         watcher,
         Parser(c, watcher.out_channels, vocab_size),
@@ -385,4 +425,6 @@ def build_model(cfg_model, vocab_size: int) -> WAP:
         counting=counting,
         guide=guide,
         symbol_map=symbol_map,
+        label_smoothing=smoothing,
+        symbol_readout=bool(getattr(c, "symbol_readout", False)),  # absent from older checkpoints' configs
     )
