@@ -282,7 +282,7 @@ class WAP(nn.Module):
         # The symbol readout (model.symbol_readout): each step's output logits also get the symbol map's
         # log-probabilities averaged under that step's attention, so the map reads the symbol the parser looks at;
         # the background row adds nothing to <eol>. Used in training and decoding alike; without the map
-        # (model.symbol_map=0) it is off (train.py warns).
+        # (model.symbol_map=0) it is off.
         self.symbol_readout = bool(symbol_readout) and self.symbol_head is not None
 
     def output_layer_names(self) -> list[str]:

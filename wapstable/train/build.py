@@ -67,17 +67,11 @@ def validate_config(cfg: DictConfig) -> None:
 
 def validate_guide_config(cfg: DictConfig) -> None:
     """model.attention.guide: a weight >= 0 and a fade that ends after it starts; model.symbol_map >= 0; a warning
-    when either is on and the data has no symbol boxes (it then adds nothing); model.label_smoothing in [0, 1)."""
+    when either is on and the data has no symbol boxes (it then adds nothing); model.label_smoothing in [0, 1). The
+    symbol readout goes with the map: model.symbol_map=0 turns both off."""
     smoothing = OmegaConf.select(cfg, "model.label_smoothing", default=0.0)
     if not 0 <= smoothing < 1:
         raise UserError(f"model.label_smoothing={smoothing} must be in [0, 1) (0 turns it off)")
-    if OmegaConf.select(cfg, "model.symbol_readout", default=False) and not (
-        OmegaConf.select(cfg, "model.symbol_map", default=0.0) > 0
-    ):
-        log.warning(
-            "model.symbol_readout=true does nothing without the symbol map (model.symbol_map=0): the model reads "
-            "without it; set model.symbol_readout=false to say so"
-        )
     guide = OmegaConf.select(cfg, "model.attention.guide")
     if guide is None:
         return
