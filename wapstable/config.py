@@ -71,9 +71,8 @@ class ModelConfig:
     channels: list[int] = field(default_factory=lambda: [16, 32, 48, 64])
     convs_per_block: int = 2
     block_convs: list[int] = field(default_factory=list)  # convs in each block; empty = convs_per_block each
-    pool_last: bool = (
-        True  # false: no pool after the last block, annotations at half the stride (8 for 4 blocks)
-    )
+    # false: no pool after the last block, annotations at half the stride (8 for 4 blocks)
+    pool_last: bool = True
     # DenseNet watcher (DenseWAP): conv7x7/2 + max-pool, dense blocks of bottleneck layers, transitions.
     dense_init_channels: int = 48
     dense_growth: int = 24
@@ -90,13 +89,13 @@ class ModelConfig:
     # Weight of the symbol map (docs/guidance.md): a 1x1 conv over the watcher's annotations classifies each cell as
     # the symbol whose box covers it (or background), trained on the data's symbol boxes, so the watcher learns
     # what each symbol looks like from every cell of every image instead of only through the parser's loss.
-    # Decoding does not use it; batches without boxes skip it. 0 = off.
+    # Decoding uses it only through model.symbol_readout; batches without boxes skip its loss. 0 = off.
     symbol_map: float = 0.0
     # Label smoothing of the sequence loss (Szegedy et al. 2016): each token's target keeps 1 - eps of its mass
     # and spreads eps over the vocabulary. 0 = off, WAP's plain negative log-likelihood.
     label_smoothing: float = 0.0
     # The symbol readout (docs/guidance.md): each decoding step's logits also get the symbol map's log-probabilities
-    # averaged under its attention. Needs model.symbol_map > 0; used in decoding too.
+    # averaged under its attention. Off without the map (model.symbol_map=0); used in decoding too.
     symbol_readout: bool = False
     attention: AttentionConfig = field(default_factory=AttentionConfig)
 

@@ -312,14 +312,15 @@ class WAP(nn.Module):
         return state
 
     def symbol_log_probs(self, symbol_logits: Tensor) -> Tensor:
-        """The symbol map's log-probabilities over the vocabulary, (B, V, h, w), float32; the background row 0."""
-        return F.log_softmax(symbol_logits.float(), 1)
+        """The symbol map's log-probabilities over the vocabulary, (B, V, h, w), float32, with row 0 set to 0: the
+        map's row 0 is background, not the end of the expression, so the readout adds nothing to <eol>."""
+        log_probs = F.log_softmax(symbol_logits.float(), 1)
+        return torch.cat([torch.zeros_like(log_probs[:, :1]), log_probs[:, 1:]], 1)
 
     def read_symbols(self, alphas: Tensor, maps: Tensor) -> Tensor:
-        """The symbol readout: log-probabilities `maps` (B, V, h, w) averaged under attention `alphas` (B, T, h, w),
-        (B, T, V), with 0 for <eol> (the map's row 0 is background, not the end of the expression)."""
-        read = torch.einsum("bthw,bvhw->btv", alphas.float(), maps)
-        return torch.cat([torch.zeros_like(read[..., :1]), read[..., 1:]], -1)
+        """The symbol readout: `maps` of symbol_log_probs (B, V, h, w) averaged under attention `alphas`
+        (B, T, h, w): (B, T, V)."""
+        return torch.einsum("bthw,bvhw->btv", alphas.float(), maps)
 
     def step(self, state: DecoderState, prev_tokens: Tensor) -> tuple[Tensor, DecoderState, Tensor]:
         """Decode one token: prev_tokens (B,) -> log_probs (B, V), new state, alpha (B, h, w)."""
