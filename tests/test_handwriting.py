@@ -296,3 +296,50 @@ def test_crohme_pretraining_on_real_symbols_takes_the_run_s_folders(tmp_path, ca
     bank = bank_path(root / "TrainINKML", 0.05, cache_dir)  # data=crohme's hold-out
     keys = [json.loads(str(np.load(p)["params"])) for p in (cache_dir / "synthetic").glob("*/splits.npz")]
     assert bank.parent.name in {k.get("glyph_bank") for k in keys}
+
+
+def test_pretrain_mix_puts_rendered_expressions_into_the_real_training_split(tmp_path, cache_dir):
+    """pretrain.mix=N: N rendered expressions of the pretraining's data join the CROHME training split (no
+    pretraining needed), a validation label among them is left out, and the run trains on both."""
+    from conftest import compose_config
+    from test_crohme import published_layout
+
+    from wapstable.data.batches import load_splits
+    from wapstable.train.build import rendered_mix
+
+    root = published_layout(tmp_path / "CROHME_labeled_2016")
+    args = [
+        "data=crohme",
+        f"data.root={root}",
+        "data.height=32",
+        "data.valid_fraction=0.3",
+        "pretrain.mix=6",
+        "+pretrain.data.style=handwritten",
+        "+pretrain.data.symbols=crohme",
+    ]
+    run = tmp_path / "run"
+    log = run_train(args, run, cache_dir).stdout
+    real = load_splits(compose_config([*args, f"data.cache_dir={cache_dir}"]).data)
+    assert "pretrain.mix: 6 rendered expressions in the training split" in log
+    assert f"data: crohme, {len(real['train']) + 6} train / {len(real['valid'])} valid" in log
+    assert not (run / "pretrain").exists()  # the mix alone pretrains nothing
+
+    # a rendered expression whose label is a validation label is left out
+    cfg = compose_config([*args, "debug=tiny", f"data.cache_dir={cache_dir}"])
+    mixed = rendered_mix(cfg, [])
+    assert len(mixed) == 6 and all(s.id.startswith("rendered-") and s.boxes is not None for s in mixed)
+    assert all(s.image.dtype == np.uint8 and s.image.shape[0] <= 32 for s in mixed)  # the run's raster
+    held = [mixed[0], mixed[3]]
+    kept = rendered_mix(cfg, held)
+    assert [s.tokens for s in kept] == [
+        s.tokens for s in mixed if s.tokens not in (held[0].tokens, held[1].tokens)
+    ]
+
+    for bad, says in (
+        (["pretrain.mix=-1"], "pretrain.mix=-1 must be >= 0"),
+        (["data=synthetic", "pretrain.mix=4"], "data=synthetic is rendered already"),
+        (["pretrain.mix=-1", "pretrain.steps=2", "pretrain.eval_every=2"], "pretrain.mix=-1 must be >= 0"),
+    ):
+        proc = run_train([*args, *bad], tmp_path / "bad", cache_dir, check=False)
+        assert proc.returncode == 2 and says in proc.stderr + proc.stdout, (bad, proc.stderr[-500:])
+        assert not (tmp_path / "bad" / "pretrain").exists()  # refused before the pretraining wrote anything

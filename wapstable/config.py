@@ -236,6 +236,9 @@ class PretrainConfig:
     steps: int = 0
     eval_every: int = 500
     data: dict[str, Any] = field(default_factory=dict)  # data.KEY values on top of conf/data/synthetic.yaml
+    # > 0: this many rendered training expressions of that data (pretrain.data) join a real data set's training
+    # split, beside its own (the validation labels left out); with or without pretrain.steps
+    mix: int = 0
 
 
 @dataclass

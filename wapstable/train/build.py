@@ -13,7 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from wapstable.checkpoint import load_checkpoint
-from wapstable.config import Config, checkpoint_config
+from wapstable.config import CONF_DIR, Config, DataConfig, checkpoint_config
 from wapstable.data.batches import BatchStream, check_labels, filter_samples, load_splits, load_vocab
 from wapstable.data.vocab import Vocab
 from wapstable.errors import UserError
@@ -55,6 +55,16 @@ def validate_config(cfg: DictConfig) -> None:
         raise UserError("guard.lr_backoff and guard.clip_backoff must be in (0, 1]: a rollback lowers them")
     validate_guide_config(cfg)
     d = cfg.data
+    mix = OmegaConf.select(cfg, "pretrain.mix", default=0)
+    if mix < 0:
+        raise UserError(
+            f"pretrain.mix={mix} must be >= 0 (0 = no rendered expressions in the training split)"
+        )
+    if mix > 0 and d.name == "synthetic":
+        raise UserError(
+            "pretrain.mix adds rendered expressions to a real data set's training split, and data=synthetic is "
+            "rendered already; set pretrain.mix=0 or raise data.num_train"
+        )
     if d.curriculum_epochs < 0:
         raise UserError(f"data.curriculum_epochs={d.curriculum_epochs} must be >= 0 (0 = no curriculum)")
     if not d.get("warp", 0) >= 0:
@@ -150,11 +160,54 @@ def load_resume(cfg: DictConfig, run_dir: Path, overrides: list[str] | None):
     return cfg, state, path
 
 
+def pretrain_data(cfg: DictConfig) -> DictConfig:
+    """The rendered data of pretrain.steps and pretrain.mix: data=synthetic's defaults with pretrain.data's keys on
+    top, in the run's cache; with glyphs=crohme, the symbols are cut from the run's own training folder (data.root,
+    data.train, its validation hold-out excluded) unless pretrain.data names another."""
+    p = cfg.pretrain
+    synthetic = OmegaConf.load(CONF_DIR / "data" / "synthetic.yaml")
+    data = OmegaConf.merge(OmegaConf.structured(DataConfig), synthetic, p.data)
+    data.cache_dir = cfg.data.cache_dir
+    if str(data.glyphs) == "crohme":
+        for key in ("root", "train", "valid_fraction"):
+            if key not in p.data:
+                data[key] = cfg.data[key]
+    return data
+
+
+def rendered_mix(cfg: DictConfig, valid: list) -> list:
+    """pretrain.mix > 0: that many rendered training expressions of the pretraining's data (pretrain_data), drawn
+    with the run's raster (data.scale, height, symbol_size, line_width, unless pretrain.data sets them), to be mixed
+    into a real training split; an expression whose label is a validation label is left out, so the validation
+    split stays unseen."""
+    from wapstable.data.synthetic import build_splits
+
+    n = OmegaConf.select(cfg, "pretrain.mix", default=0)
+    if n <= 0:
+        return []
+    data = pretrain_data(cfg)
+    data.num_train = n
+    for key in ("scale", "height", "symbol_size", "line_width"):  # drawn as the run's own images are
+        if key not in cfg.pretrain.data:
+            data[key] = cfg.data[key]
+    held = {" ".join(s.tokens) for s in valid}
+    rendered = build_splits(data)["train"]
+    mixed = [s._replace(id=f"rendered-{s.id}") for s in rendered if " ".join(s.tokens) not in held]
+    log.info(
+        "pretrain.mix: %d rendered expressions in the training split (%d left out: a validation label)",
+        len(mixed),
+        len(rendered) - len(mixed),
+    )
+    return mixed
+
+
 def build_data(cfg: DictConfig, resume_state: dict | None) -> tuple[dict, Vocab]:
-    """The three splits, checked against the vocabulary (the checkpoint's when resuming) and filtered as WAP does."""
+    """The three splits, checked against the vocabulary (the checkpoint's when resuming) and filtered as WAP does;
+    with pretrain.mix, rendered expressions join the training split."""
     d = cfg.data
     splits = load_splits(d)
     vocab = Vocab(list(resume_state["vocab"])) if resume_state is not None else load_vocab(d, splits)
+    splits["train"] = list(splits["train"]) + rendered_mix(cfg, splits["valid"])
     for split in splits:
         samples = check_labels(splits[split], vocab, d.on_error)
         if split == "train":

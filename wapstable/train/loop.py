@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from wapstable.config import CONF_DIR, DataConfig
 from wapstable.device import resolve_device
 from wapstable.errors import UserError
 from wapstable.stability.clipping import AutoClipHistory, clip_options, mode_norm_type
@@ -31,6 +30,7 @@ from wapstable.train.build import (
     build_stream,
     init_from,
     load_resume,
+    pretrain_data,
     resolve_resume,
     validate_config,
 )
@@ -258,6 +258,8 @@ def pretrain_first(cfg: DictConfig, parallel_jobs: int = 1) -> DictConfig:
         or (run_dir / "checkpoints" / "last.pt").exists()
     ):
         return cfg
+    # the run's own config first: a wrong value fails before the pretraining writes a file
+    validate_config(cfg)
     if p.steps < p.eval_every or p.eval_every <= 0:
         raise UserError(
             f"pretrain.eval_every={p.eval_every} must be in 1..pretrain.steps={p.steps}: the best checkpoint is chosen "
@@ -266,21 +268,14 @@ def pretrain_first(cfg: DictConfig, parallel_jobs: int = 1) -> DictConfig:
     sub_dir = run_dir / "pretrain"
     best = sub_dir / "checkpoints" / "best.pt"
     if not (sub_dir / "metrics.json").is_file():
-        synthetic = OmegaConf.load(CONF_DIR / "data" / "synthetic.yaml")
-        data = OmegaConf.merge(OmegaConf.structured(DataConfig), synthetic, p.data)
-        data.cache_dir = cfg.data.cache_dir
-        # real symbols from the run's own training files, its validation hold-out excluded
-        if str(data.glyphs) == "crohme":
-            for key in ("root", "train", "valid_fraction"):
-                if key not in p.data:
-                    data[key] = cfg.data[key]
+        data = pretrain_data(cfg)
         sub = OmegaConf.merge(
             cfg,
             {
                 "run_dir": str(sub_dir),
                 "resume": "auto",
                 "init_from": None,
-                "pretrain": {"steps": 0},
+                "pretrain": {"steps": 0, "mix": 0},
                 "trainer": {
                     "max_steps": p.steps,
                     "max_minutes": 0,
