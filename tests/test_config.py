@@ -75,6 +75,16 @@ def test_experiment_presets(name):
         # bounded by the clock so that the whole command fits in 90 minutes on 2 cores
         assert cfg.model.name == "small" and cfg.optim.name == "adam" and cfg.data.scale == "symbol"
         assert cfg.pretrain.steps == 2500 and 0 < cfg.trainer.max_minutes <= 75
+        # pretrained on, then mixed with, rendered expressions in real symbols cut from the run's own training files
+        pd = cfg.pretrain.data
+        assert (pd.style, pd.symbols, pd.glyphs, pd.scale, pd.height) == (
+            "handwritten",
+            "crohme",
+            "crohme",
+            "symbol",
+            160,
+        )
+        assert cfg.pretrain.mix == 6000 and cfg.data.warp == 0
         return
     # the papers' recipes: Adadelta lr 1.0, batch 8, global-norm clip 100, beam 10, no wall-clock limit
     assert cfg.data.name == "crohme" and cfg.data.max_batch == 8 and cfg.trainer.max_minutes == 0
