@@ -169,10 +169,15 @@ def pretrain_data(cfg: DictConfig) -> DictConfig:
     data = OmegaConf.merge(OmegaConf.structured(DataConfig), synthetic, p.data)
     data.cache_dir = cfg.data.cache_dir
     if str(data.glyphs) == "crohme":
-        for key in ("root", "train", "valid_fraction"):
-            if key not in p.data:
-                data[key] = cfg.data[key]
+        take_run_keys(data, cfg, ("root", "train", "valid_fraction"))
     return data
+
+
+def take_run_keys(data: DictConfig, cfg: DictConfig, keys) -> None:
+    """Copy the run's data.KEY onto the rendered data's `data` for each of `keys` that pretrain.data does not set."""
+    for key in keys:
+        if key not in cfg.pretrain.data:
+            data[key] = cfg.data[key]
 
 
 def rendered_mix(cfg: DictConfig, valid: list) -> list:
@@ -187,9 +192,8 @@ def rendered_mix(cfg: DictConfig, valid: list) -> list:
         return []
     data = pretrain_data(cfg)
     data.num_train = n
-    for key in ("scale", "height", "symbol_size", "line_width"):  # drawn as the run's own images are
-        if key not in cfg.pretrain.data:
-            data[key] = cfg.data[key]
+    # drawn as the run's own images are
+    take_run_keys(data, cfg, ("scale", "height", "symbol_size", "line_width"))
     held = {" ".join(s.tokens) for s in valid}
     rendered = build_splits(data)["train"]
     mixed = [s._replace(id=f"rendered-{s.id}") for s in rendered if " ".join(s.tokens) not in held]
