@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import compose_config
 
-from wapstable.checkpoint import save_checkpoint
+from wapstable.checkpoint import load_checkpoint, save_checkpoint
 from wapstable.data.vocab import Vocab
 from wapstable.errors import UserError
 from wapstable.model.wap import build_model
@@ -91,6 +91,54 @@ def test_pretraining_then_crohme_in_one_command(tmp_path, cache_dir):
 
     bad = run_train([*args, "pretrain.eval_every=9"], tmp_path / "bad", cache_dir, check=False)
     assert bad.returncode == 2 and "pretrain.eval_every=9" in bad.stdout + bad.stderr
+
+
+def test_pretrain_in_budget_takes_the_pretraining_s_time_out_of_max_minutes(tmp_path, cache_dir):
+    """pretrain.in_budget: trainer.max_minutes bounds the pretraining and the run together; the run's checkpoints keep
+    the reduced budget, so a resumed run does not get the pretraining's minutes again."""
+    import json
+
+    from conftest import run_train
+    from test_crohme import published_layout
+
+    root = published_layout(tmp_path / "CROHME_labeled_2016")
+    run = tmp_path / "run"
+    args = ["data=crohme", f"data.root={root}", "data.height=32", "pretrain.steps=4", "pretrain.eval_every=2"]
+    budget = [*args, "pretrain.in_budget=true", "trainer.max_minutes=5"]
+    run_train(budget, run, cache_dir)
+    spent = json.loads((run / "pretrain" / "metrics.json").read_text())["wall_time_s"] / 60
+    assert spent > 0
+    saved = load_checkpoint(run / "checkpoints" / "last.pt")["config"]["trainer"]
+    assert saved["max_minutes"] == pytest.approx(5 - spent, abs=1e-3) and saved["max_minutes"] < 5
+    assert "pretrain.in_budget: the pretraining took" in (run / "train.log").read_text()
+    run_train(
+        [*budget, "resume=auto", "trainer.max_steps=5"], run, cache_dir
+    )  # resumed: the same reduced budget
+    resumed = load_checkpoint(run / "checkpoints" / "last.pt")
+    assert resumed["step"] == 5 and resumed["config"]["trainer"]["max_minutes"] == saved["max_minutes"]
+
+    plain = tmp_path / "plain"  # without it the run keeps the whole budget
+    run_train([*args, "trainer.max_minutes=5"], plain, cache_dir)
+    assert load_checkpoint(plain / "checkpoints" / "last.pt")["config"]["trainer"]["max_minutes"] == 5
+
+    short = run_train(
+        [*args, "pretrain.in_budget=true", "trainer.max_minutes=0.0001"],
+        tmp_path / "short",
+        cache_dir,
+        check=False,
+    )
+    assert (
+        short.returncode == 2
+        and "leaving no time to train; raise trainer.max_minutes" in short.stdout + short.stderr
+    )
+    assert not (tmp_path / "short" / "checkpoints" / "last.pt").exists()
+
+    (plain / "pretrain" / "metrics.json").write_text("{")  # a pretraining whose time cannot be read
+    broken = run_train([*budget, "trainer.max_steps=6"], tmp_path / "plain", cache_dir, check=False)
+    assert (
+        broken.returncode == 2
+        and "pretrain.in_budget needs the pretraining's time" in broken.stdout + broken.stderr
+    )
 
 
 def test_training_only_heads_may_differ(tmp_path):

@@ -239,6 +239,9 @@ class PretrainConfig:
     # > 0: this many rendered training expressions of that data (pretrain.data) join a real data set's training
     # split, beside its own (the validation labels left out); with or without pretrain.steps
     mix: int = 0
+    # true: the pretraining's own training time (its metrics.json wall_time_s) counts against trainer.max_minutes,
+    # so that the budget bounds the pretraining and the training together; the run trains for what is left
+    in_budget: bool = False
 
 
 @dataclass

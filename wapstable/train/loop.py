@@ -7,6 +7,7 @@
 """
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -251,12 +252,14 @@ def pretrain_first(cfg: DictConfig, parallel_jobs: int = 1) -> DictConfig:
     """
     p = cfg.pretrain
     run_dir = Path(cfg.run_dir)
-    if (
-        p.steps <= 0
-        or cfg.init_from
-        or resolve_resume(cfg, run_dir)
-        or (run_dir / "checkpoints" / "last.pt").exists()
-    ):
+    sub_dir = run_dir / "pretrain"
+    if p.steps <= 0 or cfg.init_from:
+        return cfg
+    if resolve_resume(cfg, run_dir) or (run_dir / "checkpoints" / "last.pt").exists():
+        # resumed: a trainer.max_minutes given again on the command line is reduced as the first start reduced it
+        if p.in_budget and cfg.trainer.max_minutes > 0 and (sub_dir / "metrics.json").is_file():
+            cfg = cfg.copy()
+            cfg.trainer.max_minutes = minutes_left(cfg.trainer.max_minutes, sub_dir / "metrics.json")
         return cfg
     # the run's own config first: a wrong value fails before the pretraining writes a file
     validate_config(cfg)
@@ -265,7 +268,6 @@ def pretrain_first(cfg: DictConfig, parallel_jobs: int = 1) -> DictConfig:
             f"pretrain.eval_every={p.eval_every} must be in 1..pretrain.steps={p.steps}: the best checkpoint is chosen "
             "at its evaluations"
         )
-    sub_dir = run_dir / "pretrain"
     best = sub_dir / "checkpoints" / "best.pt"
     if not (sub_dir / "metrics.json").is_file():
         data = pretrain_data(cfg)
@@ -298,4 +300,34 @@ def pretrain_first(cfg: DictConfig, parallel_jobs: int = 1) -> DictConfig:
         raise UserError(f"pretraining in {sub_dir} left no best.pt; delete {sub_dir} to pretrain again")
     cfg = cfg.copy()
     cfg.init_from = str(best)
+    if p.in_budget and cfg.trainer.max_minutes > 0:
+        cfg.trainer.max_minutes = minutes_left(cfg.trainer.max_minutes, sub_dir / "metrics.json")
     return cfg
+
+
+def minutes_left(budget: float, pretrain_metrics: Path) -> float:
+    """What trainer.max_minutes leaves for the run once the pretraining's own time is spent (pretrain.in_budget).
+
+    The run's checkpoints keep the reduced budget, and a resumed run given trainer.max_minutes again reduces it again,
+    so that a resumed run does not get the pretraining's minutes back.
+    """
+    try:
+        spent = float(json.loads(pretrain_metrics.read_text())["wall_time_s"]) / 60.0
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(
+            f"pretrain.in_budget needs the pretraining's time, and {pretrain_metrics} does not give it ({e}); "
+            f"delete {pretrain_metrics.parent} to pretrain again"
+        ) from None
+    left = budget - spent
+    if left <= 0:
+        raise UserError(
+            f"the pretraining took {spent:.1f} of trainer.max_minutes={budget:g} (pretrain.in_budget=true), leaving "
+            "no time to train; raise trainer.max_minutes or lower pretrain.steps"
+        )
+    log.info(
+        "pretrain.in_budget: the pretraining took %.1f of trainer.max_minutes=%g; the run trains for %.1f",
+        spent,
+        budget,
+        left,
+    )
+    return round(left, 3)
