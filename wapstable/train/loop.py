@@ -248,7 +248,8 @@ def pretrain_first(cfg: DictConfig, parallel_jobs: int = 1) -> DictConfig:
     pretrain.data's keys on top, the run's optimizer, `pretrain.steps` steps, in RUN_DIR/pretrain), and return `cfg` with init_from its best checkpoint.
 
     Skipped when the run starts from weights of its own (init_from given, or a checkpoint to resume); a finished
-    pretraining (its metrics.json) is reused, an interrupted one resumes from its last.pt.
+    pretraining (its metrics.json) is reused, an interrupted one resumes from its last.pt. With pretrain.in_budget,
+    the returned trainer.max_minutes is what the pretraining's own time leaves of it (minutes_left).
     """
     p = cfg.pretrain
     run_dir = Path(cfg.run_dir)
