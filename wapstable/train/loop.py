@@ -249,7 +249,7 @@ def pretrain_first(cfg: DictConfig, parallel_jobs: int = 1) -> DictConfig:
 
     Skipped when the run starts from weights of its own (init_from given, or a checkpoint to resume); a finished
     pretraining (its metrics.json) is reused, an interrupted one resumes from its last.pt. With pretrain.in_budget,
-    the returned trainer.max_minutes is what the pretraining's own time leaves of it (minutes_left).
+    the returned trainer.max_minutes is what the pretraining's own time leaves of it (within_budget).
     """
     p = cfg.pretrain
     run_dir = Path(cfg.run_dir)
@@ -258,10 +258,8 @@ def pretrain_first(cfg: DictConfig, parallel_jobs: int = 1) -> DictConfig:
         return cfg
     if resolve_resume(cfg, run_dir) or (run_dir / "checkpoints" / "last.pt").exists():
         # resumed: a trainer.max_minutes given again on the command line is reduced as the first start reduced it
-        if p.in_budget and cfg.trainer.max_minutes > 0 and (sub_dir / "metrics.json").is_file():
-            cfg = cfg.copy()
-            cfg.trainer.max_minutes = minutes_left(cfg.trainer.max_minutes, sub_dir / "metrics.json")
-        return cfg
+        metrics = sub_dir / "metrics.json"
+        return within_budget(cfg, metrics) if metrics.is_file() else cfg
     # the run's own config first: a wrong value fails before the pretraining writes a file
     validate_config(cfg)
     if p.steps < p.eval_every or p.eval_every <= 0:
@@ -301,17 +299,18 @@ def pretrain_first(cfg: DictConfig, parallel_jobs: int = 1) -> DictConfig:
         raise UserError(f"pretraining in {sub_dir} left no best.pt; delete {sub_dir} to pretrain again")
     cfg = cfg.copy()
     cfg.init_from = str(best)
-    if p.in_budget and cfg.trainer.max_minutes > 0:
-        cfg.trainer.max_minutes = minutes_left(cfg.trainer.max_minutes, sub_dir / "metrics.json")
-    return cfg
+    return within_budget(cfg, sub_dir / "metrics.json")
 
 
-def minutes_left(budget: float, pretrain_metrics: Path) -> float:
-    """What trainer.max_minutes leaves for the run once the pretraining's own time is spent (pretrain.in_budget).
+def within_budget(cfg: DictConfig, pretrain_metrics: Path) -> DictConfig:
+    """`cfg` with trainer.max_minutes less the pretraining's own time (pretrain.in_budget; otherwise `cfg` as it is).
 
     The run's checkpoints keep the reduced budget, and a resumed run given trainer.max_minutes again reduces it again,
     so that a resumed run does not get the pretraining's minutes back.
     """
+    budget = cfg.trainer.max_minutes
+    if not cfg.pretrain.in_budget or budget <= 0:
+        return cfg
     try:
         spent = float(json.loads(pretrain_metrics.read_text())["wall_time_s"]) / 60.0
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -331,4 +330,6 @@ def minutes_left(budget: float, pretrain_metrics: Path) -> float:
         budget,
         left,
     )
-    return round(left, 3)
+    cfg = cfg.copy()
+    cfg.trainer.max_minutes = round(left, 3)
+    return cfg
