@@ -107,6 +107,72 @@ def test_handwritten_image_conventions_and_determinism():
     assert bar[2] - bar[0] >= sin[2] - sin[0] and bar[1] > sin[3] - 2
 
 
+def _affine_residual(a: np.ndarray, b: np.ndarray) -> float:
+    """The largest distance left between points `b` and the best affine image of points `a` (least squares)."""
+    design = np.hstack([a, np.ones((len(a), 1))])
+    coef, *_ = np.linalg.lstsq(design, b, rcond=None)
+    return float(np.abs(design @ coef - b).max())
+
+
+@pytest.mark.parametrize("glyph", ["x", "4", "\\sum", "\\alpha"])
+def test_distort_changes_a_glyph_s_shape_not_only_its_place(glyph):
+    """data.distort: with the same random stream, 0 draws exactly today's glyph, > 0 a glyph no affine map of it
+    reaches (strokes moved apart, the whole bent), within a bound that grows with the amount."""
+    box, size = (10.0, 20.0, 30.0, 48.0), 28.0
+
+    def draw(distort, seed=3):
+        rng = np.random.default_rng(seed)
+        return hw.draw_glyph(glyph, box, size, "futural", rng, 1.0, None, distort)
+
+    plain = draw(0.0)
+    legacy = hw.draw_glyph(glyph, box, size, "futural", np.random.default_rng(3), 1.0)
+    assert all(np.array_equal(a, b) for a, b in zip(plain, legacy)) and len(plain) == len(legacy)
+    one, again, two = draw(1.0), draw(1.0), draw(2.0)
+    assert all(np.array_equal(a, b) for a, b in zip(one, again))  # the same stream, the same hand
+    a, b1, b2 = np.concatenate(plain), np.concatenate(one), np.concatenate(two)
+    assert a.shape == b1.shape == b2.shape  # points are moved, not added or lost
+    assert _affine_residual(a, b1) > 0.01 * size  # a new shape, not a moved, turned or scaled copy
+    move1, move2 = np.abs(b1 - a).max(), np.abs(b2 - a).max()
+    assert move1 < 0.6 * size and move2 < 1.2 * size  # still the same symbol, near its box
+    # the bend grows with the amount: over seeds, twice the amount moves the points further on average
+    mean = {
+        d: np.mean(
+            [np.abs(np.concatenate(draw(d, k)) - np.concatenate(draw(0.0, k))).mean() for k in range(20)]
+        )
+        for d in (0.5, 1.0, 2.0)
+    }
+    assert mean[0.5] < mean[1.0] < mean[2.0]
+
+
+def test_jitter_and_distort_are_keys_of_the_cache_and_of_the_pixels(tmp_path):
+    """data.jitter and data.distort each draw other images under their own cache entry; their defaults leave the
+    cache key of a config as it was before they existed."""
+    base = ["debug=tiny", "data.style=handwritten", "data.symbols=crohme", "data.render_workers=1"]
+
+    def build(*extra):
+        cfg = compose_config([*base, *extra]).data
+        cfg.cache_dir = str(tmp_path)
+        return S._cache_params(cfg), S.build_splits(cfg)
+
+    params, plain = build()
+    assert "jitter" not in params and "distort" not in params  # the caches of existing configs stay valid
+    for extra, key, value in (("data.jitter=2", "jitter", 2.0), ("data.distort=1", "distort", 1.0)):
+        p, other = build(extra)
+        assert p[key] == value
+        # the same expressions
+        assert [s.tokens for s in other["train"]] == [s.tokens for s in plain["train"]]
+        changed = sum(
+            x.image.shape != y.image.shape or not np.array_equal(x.image, y.image)
+            for x, y in zip(other["train"], plain["train"])
+        )
+        assert changed == len(plain["train"])  # every image drawn in another hand
+    assert len(list(tmp_path.rglob("splits.npz"))) == 3
+    # data.jitter=0 draws no jitter even with data.augment on: the same pixels as data.augment=false
+    _, still = build("data.jitter=0")
+    _, off = build("data.augment=false")
+    assert all(np.array_equal(x.image, y.image) for x, y in zip(still["train"], off["train"]))
+
+
 def test_handwritten_splits_are_cached(tmp_path):
     cfg = compose_config(["debug=tiny", "data.style=handwritten", "data.symbols=crohme"]).data
     cfg.cache_dir = str(tmp_path)
@@ -175,6 +241,10 @@ def test_experiment_handwritten_tests_on_crohme_folders(tmp_path, cache_dir):
             ["data.style=handwritten", "data.height=8"],
             ["error: data.style=handwritten needs", "data.height >= 16"],
         ),
+        (["data.style=handwritten", "data.distort=-1"], ["data.distort=-1.0", "must be >= 0"]),
+        (["data.style=handwritten", "data.jitter=nan"], ["data.jitter=nan", "must be >= 0"]),
+        (["data.jitter=2"], ["data.jitter=2.0 shapes handwritten glyphs", "data.style=handwritten"]),
+        (["data.distort=1"], ["data.distort=1.0 shapes handwritten glyphs", "data.style=handwritten"]),
     ],
 )
 def test_bad_style_values_are_refused(tmp_path, cache_dir, args, says):

@@ -122,6 +122,12 @@ class DataConfig:
     # symbols cut from the traceGroups of data.root/data.train (held-out validation expressions excluded), the fonts
     # for symbols it lacks
     glyphs: GlyphSource = GlyphSource.fonts
+    # handwritten, with data.augment: the strength of each glyph's random scale, rotation, shift and stroke wobble
+    # and of the expression's slant (1: scale 8 %, rotation 4 degrees, wobble 2.5 % of the font size; 0: none)
+    jitter: float = 1.0
+    # handwritten, with data.augment: how far each glyph's shape is changed (0: not at all; 1: each stroke shifted
+    # 3 %, turned 5 degrees, scaled 8 % on its own, the glyph bent by up to 6 % of the font size; data/handwriting.py)
+    distort: float = 0.0
     # A fresh random affine warp of each training image at every step, boxes moved with it (wapstable/data/warp.py);
     # its strength: 1 = up to 1.5 degrees of rotation, 0.15 of shear, 15 % of shrink, 2 px of shift. 0 = off.
     warp: float = 0.0

@@ -772,11 +772,14 @@ def render_handwritten(
     raster,
     jitter: float = 1.0,
     bank=None,
+    distort: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """data.style=handwritten: the image of `tokens` drawn as pen strokes on mathtext's layout (font set `font`
     at `font_size`), rasterised like InkML by `raster` (wapstable.data.crohme.Raster), and its tokens' boxes
     (NaN rows for inkless tokens, all NaN when the layout could not be matched to the tokens). With `bank`
-    (wapstable.data.ink_bank: data.glyphs=crohme), each symbol the bank has is a real written sample of it."""
+    (wapstable.data.ink_bank: data.glyphs=crohme), each symbol the bank has is a real written sample of it.
+    `jitter` scales every glyph's random scale, rotation, shift and wobble and the expression's slant (data.jitter;
+    0 draws the layout exactly); `distort` > 0 also changes each glyph's shape (data.distort, hw.distort_glyph)."""
     from wapstable.data import handwriting as hw
     from wapstable.data.crohme import rasterize_traces
 
@@ -797,7 +800,7 @@ def render_handwritten(
         elif kind == "r":
             strokes = hw.draw_rule(box, rng, jitter, font_size, bank)
         else:
-            strokes = hw.draw_glyph(c, box, font_size, text_font, rng, jitter, bank)
+            strokes = hw.draw_glyph(c, box, font_size, text_font, rng, jitter, bank, distort)
         drawn += [(owners[k], s) for s in strokes]
         k += 1
     if not drawn:
@@ -829,7 +832,7 @@ def render_handwritten(
 
 def _render_chunk(job: tuple) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
     """(image, token boxes) of each label of the job, and how many layouts did not match their tokens."""
-    split_code, start, labels, fonts, font_size, augment, seed, raster, bank_file = job
+    split_code, start, labels, fonts, font_size, augment, seed, raster, bank_file, jitter, distort = job
     out, failures = [], box_failures
     unmatched = (
         0  # handwritten layouts that did not match their tokens (render() counts its own in box_failures)
@@ -844,7 +847,9 @@ def _render_chunk(job: tuple) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]
             rng = _rng(seed, _RENDER, split_code, i)
             font = fonts[int(rng.integers(len(fonts)))]
             if raster is not None:  # data.style=handwritten
-                image, boxes = render_handwritten(tokens, font, font_size, rng, raster, float(augment), bank)
+                image, boxes = render_handwritten(
+                    tokens, font, font_size, rng, raster, jitter if augment else 0.0, bank, distort
+                )
                 unmatched += bool(np.isnan(boxes).all())
                 out.append((image, boxes))
                 continue
@@ -897,6 +902,8 @@ def _render_all(labels: dict[str, list[list[str]]], cfg, params: dict) -> dict[s
                     params["seed"],
                     raster,
                     bank_file,
+                    params.get("jitter", 1.0),
+                    params.get("distort", 0.0),
                 )
             )
             owners.append(split)
@@ -962,6 +969,12 @@ def _key(cfg, name: str) -> str:
 def _check_glyphs(cfg) -> None:
     if _key(cfg, "glyphs") != "fonts" and _key(cfg, "style") != "handwritten":
         raise UserError(f"data.glyphs={cfg.glyphs} draws handwriting: set data.style=handwritten as well")
+    if _key(cfg, "style") != "handwritten":
+        for name, default in (("jitter", 1.0), ("distort", 0.0)):
+            if float(getattr(cfg, name, default)) != default:
+                raise UserError(
+                    f"data.{name}={getattr(cfg, name)} shapes handwritten glyphs: set data.style=handwritten as well"
+                )
 
 
 def _handwriting_params(cfg) -> dict:
@@ -972,6 +985,12 @@ def _handwriting_params(cfg) -> dict:
             f"data.style=handwritten needs data.line_width >= 1 and data.height >= 16, got {cfg.line_width} and "
             f"{cfg.height}"
         )
+    jitter, distort = float(getattr(cfg, "jitter", 1.0)), float(getattr(cfg, "distort", 0.0))
+    if not (jitter >= 0 and distort >= 0):  # NaN too
+        raise UserError(
+            f"data.jitter={jitter} and data.distort={distort} must be >= 0 (data.jitter=1 is the usual "
+            "jitter of each glyph, data.distort=0 leaves its shape alone)"
+        )
     out = dict(
         style="handwritten",
         handwriting=HANDWRITING_VERSION,
@@ -979,6 +998,10 @@ def _handwriting_params(cfg) -> dict:
         hershey=importlib.metadata.version("hershey-fonts"),
         pillow=importlib.metadata.version("pillow"),
     )
+    if jitter != 1.0:  # only when not the default, so that the caches of default configs stay valid
+        out["jitter"] = jitter
+    if distort != 0.0:
+        out["distort"] = distort
     if _key(cfg, "glyphs") == "crohme":  # real symbols: the bank's key names the files they were cut from
         out["glyphs"] = "crohme"
         out["glyph_bank"] = _bank_path(cfg).parent.name
