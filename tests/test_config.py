@@ -64,6 +64,7 @@ def test_experiment_presets(name):
             cfg.data.name == "synthetic" and cfg.data.symbols == "crohme" and cfg.data.style == "handwritten"
         )
         assert cfg.data.scale == "symbol" and cfg.data.glyphs == "fonts" and cfg.data.root is None
+        assert (cfg.data.jitter, cfg.data.distort) == (1.5, 1.0)  # the glyph variety it was measured with
         assert dict(cfg.data.test_sets) == {"2014": "TestEM2014GT", "2016": "TEST2016_INKML_GT"}
         assert 0 < cfg.trainer.max_minutes <= 55 and cfg.decode.final_beam_size == 10
         return
