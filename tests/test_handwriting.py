@@ -142,6 +142,10 @@ def test_distort_changes_a_glyph_s_shape_not_only_its_place(glyph):
         for d in (0.5, 1.0, 2.0)
     }
     assert mean[0.5] < mean[1.0] < mean[2.0]
+    # without the jitter (data.jitter=0) the shape still changes: the two keys are independent
+    exact = hw.draw_glyph(glyph, box, size, "futural", np.random.default_rng(3), 0.0)
+    bent = hw.draw_glyph(glyph, box, size, "futural", np.random.default_rng(3), 0.0, None, 1.0)
+    assert _affine_residual(np.concatenate(exact), np.concatenate(bent)) > 0.01 * size
 
 
 def test_jitter_and_distort_are_keys_of_the_cache_and_of_the_pixels(tmp_path):

@@ -197,8 +197,8 @@ def draw_glyph(
 ) -> list[np.ndarray]:
     """The strokes of glyph `c` fitted into `box` (x0, y0, x1, y1, y down) of an expression whose font size is
     `size` (the same units), jittered by `rng` (`jitter` 0 = exactly in the box). With `bank` (ink_bank.Bank),
-    a real written sample of the symbol when the bank has one, else the stroke fonts. With `distort` > 0 (and
-    `jitter` > 0) the glyph's shape changes too (see `distort_glyph`)."""
+    a real written sample of the symbol when the bank has one, else the stroke fonts. With `distort` > 0 the
+    glyph's shape changes too (see `distort_glyph`), with or without the jitter."""
     x0, y0, x1, y1 = (float(v) for v in box)
     real = bank_sample(bank, bank_token(c), rng)
     if real is not None:
@@ -210,7 +210,7 @@ def draw_glyph(
         w, h = max(x1 - x0, 0.0), max(y1 - y0, 0.0)
         strokes = [np.stack([x0 + s[:, 0] * w, y0 + s[:, 1] * h], 1) for s in unit]
     if jitter <= 0:
-        return strokes
+        return distort_glyph(strokes, size, rng, distort) if distort > 0 else strokes
     centre = np.array([(x0 + x1) / 2, (y0 + y1) / 2])
     scale = np.exp(rng.normal(0, 0.08 * jitter)) * np.exp(rng.normal(0, 0.05 * jitter, 2))
     angle = np.radians(rng.normal(0, 4.0 * jitter))

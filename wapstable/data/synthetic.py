@@ -848,7 +848,12 @@ def _render_chunk(job: tuple) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]
             font = fonts[int(rng.integers(len(fonts)))]
             if raster is not None:  # data.style=handwritten
                 image, boxes = render_handwritten(
-                    tokens, font, font_size, rng, raster, jitter if augment else 0.0, bank, distort
+                    tokens,
+                    font,
+                    font_size,
+                    rng,
+                    raster,
+                    *((jitter, bank, distort) if augment else (0.0, bank, 0.0)),
                 )
                 unmatched += bool(np.isnan(boxes).all())
                 out.append((image, boxes))
