@@ -40,6 +40,8 @@ FORMAT_VERSION = 2
 # bump whenever data.style=handwritten draws other strokes for the same config (2: roots drawn in every font set)
 HANDWRITING_VERSION = 2
 SPLITS = ("train", "valid", "test")
+# data.jitter and data.distort at their defaults (config.DataConfig): a handwritten glyph as the fonts have drawn it
+GLYPH_STRAYING = {"jitter": 1.0, "distort": 0.0}
 MARGIN = 4  # px of background kept around the ink
 FONTS = ("cm", "stix", "stixsans", "dejavuserif", "dejavusans")
 
@@ -853,7 +855,9 @@ def _render_chunk(job: tuple) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]
                     font_size,
                     rng,
                     raster,
-                    *((jitter, bank, distort) if augment else (0.0, bank, 0.0)),
+                    jitter=jitter if augment else 0.0,
+                    bank=bank,
+                    distort=distort if augment else 0.0,
                 )
                 unmatched += bool(np.isnan(boxes).all())
                 out.append((image, boxes))
@@ -907,8 +911,8 @@ def _render_all(labels: dict[str, list[list[str]]], cfg, params: dict) -> dict[s
                     params["seed"],
                     raster,
                     bank_file,
-                    params.get("jitter", 1.0),
-                    params.get("distort", 0.0),
+                    params.get("jitter", GLYPH_STRAYING["jitter"]),
+                    params.get("distort", GLYPH_STRAYING["distort"]),
                 )
             )
             owners.append(split)
@@ -975,11 +979,22 @@ def _check_glyphs(cfg) -> None:
     if _key(cfg, "glyphs") != "fonts" and _key(cfg, "style") != "handwritten":
         raise UserError(f"data.glyphs={cfg.glyphs} draws handwriting: set data.style=handwritten as well")
     if _key(cfg, "style") != "handwritten":
-        for name, default in (("jitter", 1.0), ("distort", 0.0)):
-            if float(getattr(cfg, name, default)) != default:
-                raise UserError(
-                    f"data.{name}={getattr(cfg, name)} shapes handwritten glyphs: set data.style=handwritten as well"
-                )
+        for name in _straying(cfg):  # only the keys not at their defaults
+            raise UserError(
+                f"data.{name}={getattr(cfg, name)} shapes handwritten glyphs: set data.style=handwritten as well"
+            )
+
+
+def _straying(cfg) -> dict[str, float]:
+    """data.jitter and data.distort where they are not at their defaults (GLYPH_STRAYING); a config from before they
+    existed has the defaults. A negative or NaN value is refused."""
+    values = {name: float(getattr(cfg, name, default)) for name, default in GLYPH_STRAYING.items()}
+    if not all(v >= 0 for v in values.values()):  # NaN too
+        raise UserError(
+            f"data.jitter={values['jitter']} and data.distort={values['distort']} must be >= 0 (data.jitter=1 is the "
+            "usual jitter of each glyph, data.distort=0 leaves its shape alone)"
+        )
+    return {name: v for name, v in values.items() if v != GLYPH_STRAYING[name]}
 
 
 def _handwriting_params(cfg) -> dict:
@@ -990,12 +1005,6 @@ def _handwriting_params(cfg) -> dict:
             f"data.style=handwritten needs data.line_width >= 1 and data.height >= 16, got {cfg.line_width} and "
             f"{cfg.height}"
         )
-    jitter, distort = float(getattr(cfg, "jitter", 1.0)), float(getattr(cfg, "distort", 0.0))
-    if not (jitter >= 0 and distort >= 0):  # NaN too
-        raise UserError(
-            f"data.jitter={jitter} and data.distort={distort} must be >= 0 (data.jitter=1 is the usual "
-            "jitter of each glyph, data.distort=0 leaves its shape alone)"
-        )
     out = dict(
         style="handwritten",
         handwriting=HANDWRITING_VERSION,
@@ -1003,10 +1012,7 @@ def _handwriting_params(cfg) -> dict:
         hershey=importlib.metadata.version("hershey-fonts"),
         pillow=importlib.metadata.version("pillow"),
     )
-    if jitter != 1.0:  # only when not the default, so that the caches of default configs stay valid
-        out["jitter"] = jitter
-    if distort != 0.0:
-        out["distort"] = distort
+    out.update(_straying(cfg))  # only when not the default, so that the caches of default configs stay valid
     if _key(cfg, "glyphs") == "crohme":  # real symbols: the bank's key names the files they were cut from
         out["glyphs"] = "crohme"
         out["glyph_bank"] = _bank_path(cfg).parent.name
