@@ -449,3 +449,108 @@ def test_render_draws_inkml_as_training_does(tmp_path, capsys):
     png = 255 - np.asarray(Image.open(tmp_path / "out.png"))  # dark ink on white, as a scan
     assert (png == read_inkml(path, Raster(100, 2, 20.0)).image).all()
     assert capsys.readouterr().out.split("\t")[1] == "x ^ { 2 }"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# data.redraw: more drawings of each training file, in other hands
+
+# an "x" of two strokes (one traceGroup) and a "2" of one, as in TRACES; a long bar below them (a trace in no group)
+GROUPED = """<trace id="0">10 10, 20 20, 30 30</trace><trace id="1">30 10, 10 30</trace>
+  <trace id="2">40 5, 50 4, 55 10, 42 30, 56 30</trace><trace id="3">0 40, 60 40, 120 40</trace>
+  <traceGroup><annotation type="truth">Segmentation</annotation>
+    <traceGroup><annotation type="truth">x</annotation><traceView traceDataRef="0"/><traceView traceDataRef="1"/>
+    </traceGroup>
+    <traceGroup><annotation type="truth">2</annotation><traceView traceDataRef="2"/></traceGroup>
+  </traceGroup>"""
+
+
+def test_redraw_moves_each_symbol_as_one(tmp_path):
+    import xml.etree.ElementTree as ET
+
+    from wapstable.data.crohme import Redraw, _symbol_groups, redraw_traces
+
+    path = write(tmp_path / "e.inkml", truth="$x^2$", traces=GROUPED)
+    root = ET.parse(path).getroot()
+    assert _symbol_groups(root, ["0", "1", "2", "3"]) == [
+        [0, 1],
+        [2],
+        [3],
+    ]  # the bar, in no group, on its own
+    traces = [parse_trace(t.text) for t in root.iter() if t.tag.endswith("trace")]
+
+    def drawn(index, strength=1.0):
+        return redraw_traces(traces, [[0, 1], [2], [3]], Redraw(index).rng("e"), strength)
+
+    assert all((a == b).all() for a, b in zip(drawn(1, 0.0), traces))  # strength 0: as written
+    one, again, two = drawn(1), drawn(1), drawn(2)
+    assert all((a == b).all() for a, b in zip(one, again))  # the file's name and the index seed it
+    assert not all(np.allclose(a, b) for a, b in zip(one, two))
+    assert [len(t) for t in one] == [len(t) for t in traces]
+    for t, r in zip(traces, one):  # moved, but by a fraction of the symbol size (about 20 units here)
+        assert 0 < np.abs(t - r).max() < 20
+    # the long bar bends no more than a symbol of the usual size would: it stays a bar
+    assert np.ptp(one[3][:, 1]) < 0.3 * np.ptp(one[3][:, 0])
+    # the two strokes of the x are moved together: where they cross stays near the crossing of the two new strokes
+    crossing = (one[0][1] + (one[1][0] + one[1][1]) / 2) / 2  # the middles of the two new strokes
+    assert np.linalg.norm(crossing - [20.0, 20.0]) < 6
+
+
+def test_redraw_adds_drawings_of_training_files_only(tmp_path, monkeypatch):
+    import wapstable.data.crohme as crohme
+    from wapstable.data.batches import load_splits
+
+    root = published_layout(tmp_path / "c")
+    plain = load_splits(crohme_cfg(root, tmp_path / "cache", valid_fraction=0.3))
+    cfg = crohme_cfg(root, tmp_path / "cache", valid_fraction=0.3, redraw=2, render_workers=0)
+    splits = load_splits(cfg)
+    ids = [s.id for s in plain["train"]]
+    assert [s.id for s in splits["train"]] == ids + [f"{i}~1" for i in ids] + [f"{i}~2" for i in ids]
+    assert [s.id for s in splits["valid"]] == [s.id for s in plain["valid"]]  # the validation files: never
+    assert [s.id for s in splits["test"]] == [s.id for s in plain["test"]]
+    by_id = {s.id: s for s in splits["train"]}
+    for i in ids:
+        first, second = by_id[f"{i}~1"], by_id[f"{i}~2"]
+        assert first.tokens == second.tokens == by_id[i].tokens
+        assert first.image.shape != by_id[i].image.shape or (first.image != by_id[i].image).any()
+        assert first.image.shape != second.image.shape or (first.image != second.image).any()
+
+    # read once, then from the cache; the file's own drawing keeps its cache key
+    calls = []
+    real = crohme.read_inkml
+    monkeypatch.setattr(crohme, "read_inkml", lambda *a: calls.append(a) or real(*a))
+    again = load_splits(cfg)
+    assert calls == [] and all((a.image == b.image).all() for a, b in zip(again["train"], splits["train"]))
+    cfg.redraw_strength = 0.5  # another strength: every file of the folder drawn twice again
+    load_splits(cfg)
+    assert len(calls) == 2 * 36 and all(a[2].strength == 0.5 for a in calls)
+
+
+def test_read_folder_in_worker_processes_reads_the_same(tmp_path):
+    from wapstable.data.crohme import Redraw, read_folder
+
+    root = published_layout(tmp_path / "c")
+    write(root / "TrainINKML" / "HAMEX" / "broken.inkml", text="<ink>")
+    for redraw in (None, Redraw(1)):
+        one = read_folder(root / "TrainINKML", Raster(40, 2), redraw=redraw)
+        two = read_folder(root / "TrainINKML", Raster(40, 2), redraw=redraw, workers=2)
+        assert [s.id for s in one.samples] == [s.id for s in two.samples] and one.errors == two.errors
+        assert all((a.image == b.image).all() for a, b in zip(one.samples, two.samples))
+        assert one.reasons() == {"malformed XML": 1}
+
+
+@pytest.mark.parametrize(
+    "bad, says",
+    [
+        (["data.redraw=-1"], "data.redraw=-1 and data.redraw_strength=1.0 must be >= 0"),
+        (["data.redraw=1", "data.redraw_strength=-0.5"], "data.redraw_strength=-0.5 must be >= 0"),
+    ],
+)
+def test_bad_redraw_values_are_refused(tmp_path, bad, says):
+    from conftest import run_train
+
+    root = published_layout(tmp_path / "c")
+    proc = run_train(
+        ["data=crohme", f"data.root={root}", *bad], tmp_path / "run", tmp_path / "cache", check=False
+    )
+    assert proc.returncode == 2 and says in proc.stderr + proc.stdout, proc.stderr[-500:]
+    assert not (tmp_path / "cache" / "crohme").exists()  # refused before anything was read

@@ -403,6 +403,24 @@ INKML = """<ink xmlns="http://www.w3.org/2003/InkML">
 </traceGroup></ink>"""
 
 
+def test_crohme_boxes_follow_a_redrawing(tmp_path):
+    """data.redraw moves every symbol on its own: each symbol's box moves with its strokes."""
+    from wapstable.data.crohme import Raster, Redraw, read_inkml
+
+    path = tmp_path / "expr.inkml"
+    path.write_text(INKML)
+    raster = Raster(height=64, line_width=2)
+    plain = read_inkml(path, raster)
+    for index in (1, 2, 3):
+        s = read_inkml(path, raster, Redraw(index))
+        assert s.id == f"expr~{index}" and s.tokens == plain.tokens
+        assert not np.allclose(s.boxes[0], plain.boxes[0], atol=0.5) or s.image.shape != plain.image.shape
+        assert ink_covered(s.image, s.boxes) > 0.99
+        for box in s.boxes[np.isfinite(s.boxes).all(1)]:
+            x0, y0, x1, y1 = box.astype(int)
+            assert s.image[y0:y1, x0:x1].max() == 255
+
+
 def test_crohme_boxes_come_from_the_trace_groups(tmp_path):
     from wapstable.data.crohme import Raster, read_folder, read_inkml
 

@@ -138,6 +138,11 @@ class DataConfig:
     train: str = "train"
     valid: str | None = "valid"  # crohme: empty = held out from data.train by label (data.valid_fraction)
     valid_fraction: float = 0.05
+    # crohme: N more drawings of each training file (never of the validation or test files), each as another hand
+    # would write it: every symbol (traceGroup) moved, scaled, turned and bent on its own, the expression slanted
+    # and stretched, its scale varied; `redraw_strength` scales every figure (1: data/crohme.py, redraw_traces)
+    redraw: int = 0
+    redraw_strength: float = 1.0
     test: str = "test"
     # crohme: test set name -> folder, each evaluated and reported on its own; null = the one folder data.test
     test_sets: dict[str, str] | None = None

@@ -6,10 +6,12 @@ named test sets (CROHME 2014, 2016) evaluated and reported one by one. Each fold
 cached under `data.cache_dir/crohme/`, keyed by its files (names, sizes, times) and the rendering settings.
 """
 
+import contextlib
 import hashlib
 import json
 import logging
 import math
+import multiprocessing as mp
 import xml.etree.ElementTree as ET
 from collections import Counter
 from collections.abc import Sequence
@@ -132,6 +134,73 @@ class Raster(NamedTuple):
         return cls(int(cfg_data.height), int(cfg_data.line_width), symbol)
 
 
+class Redraw(NamedTuple):
+    """One more drawing of a training file in another hand (data.redraw): which drawing (1, 2, ...; with the file's
+    name it seeds the randomness, so a drawing is the same on every machine) and how strong (data.redraw_strength)."""
+
+    index: int
+    strength: float = 1.0
+
+    def rng(self, stem: str) -> np.random.Generator:
+        digest = hashlib.sha256(f"{stem}/{self.index}".encode()).digest()
+        return np.random.default_rng(int.from_bytes(digest[:8], "big"))
+
+
+def _symbol_groups(root, ids: list) -> list[list[int]]:
+    """The traces (indices into `ids`, the traces' ids in document order) of each written symbol: the traceGroups
+    that name traces, and each trace in no such group on its own."""
+    where = {t: i for i, t in enumerate(ids) if t is not None}
+    groups, grouped = [], set()
+    for tg in root.iter():
+        if _local(tg.tag) != "traceGroup":
+            continue
+        refs = [c.get("traceDataRef") for c in tg if _local(c.tag) == "traceView"]
+        members = [where[r] for r in dict.fromkeys(refs) if r in where and where[r] not in grouped]
+        if members:
+            groups.append(members)
+            grouped.update(members)
+    return groups + [[i] for i in range(len(ids)) if i not in grouped]
+
+
+def redraw_traces(
+    traces: list[np.ndarray], groups: list[list[int]], rng: np.random.Generator, strength: float = 1.0
+) -> list[np.ndarray]:
+    """The expression's strokes as another hand would write them (data.redraw): every symbol (a group of traces)
+    scaled (8 %, and 5 % more per axis), turned (4 degrees), moved (5 % of the symbol size) about its own centre,
+    and its shape changed by handwriting.distort_glyph (each stroke moved on its own, the symbol bent); then the
+    whole expression slanted (shear 0.1) and stretched across (6 %). Every figure is multiplied by `strength`.
+    The symbol size is the median over the symbols of their larger side; a longer symbol is turned and bent no more
+    at its ends than one of that size."""
+    from wapstable.data.handwriting import distort_glyph
+
+    out = [np.asarray(t, dtype=np.float64)[:, :2].copy() for t in traces]
+    drawn = [[i for i in g if len(out[i])] for g in groups]
+    drawn = [g for g in drawn if g]
+    if not drawn or strength <= 0:
+        return out
+    sides = [np.ptp(np.concatenate([out[i] for i in g]), axis=0).max() for g in drawn]
+    size = float(np.median(sides)) or 1.0
+    for g, side in zip(drawn, sides):
+        pts = np.concatenate([out[i] for i in g])
+        centre = (pts.min(0) + pts.max(0)) / 2
+        # a symbol longer than the usual one (a fraction bar, a root's sign over a long radicand) is turned and bent
+        # as one of the usual size would be at its ends: by an angle and a bend `short` times the figures, one
+        # cycle of the bend along its whole length
+        short = min(1.0, size / side) if side > 0 else 1.0
+        scale = np.exp(rng.normal(0, 0.08 * strength)) * np.exp(rng.normal(0, 0.05 * strength, 2))
+        angle = np.radians(rng.normal(0, 4.0 * strength * short))
+        rot = np.array([[np.cos(angle), -np.sin(angle)], [np.sin(angle), np.cos(angle)]])
+        shift = rng.normal(0, 0.05 * strength, 2) * size
+        moved = [(out[i] - centre) * scale @ rot.T + centre + shift for i in g]
+        for i, stroke in zip(g, distort_glyph(moved, max(side, size), rng, strength * short)):
+            out[i] = stroke
+    pts = np.concatenate([t for t in out if len(t)])
+    y_mid = (pts[:, 1].min() + pts[:, 1].max()) / 2
+    shear = rng.normal(0, 0.1 * strength)
+    stretch = np.exp(rng.normal(0, 0.06 * strength))
+    return [np.stack([(t[:, 0] - shear * (t[:, 1] - y_mid)) * stretch, t[:, 1]], 1) for t in out]
+
+
 def read_truth(path: Path, root) -> list[str]:
     """The expression's normalised truth tokens, checked against the CROHME 2014 dictionary."""
     # Only the expression's own truth: traceGroups carry per-symbol truth annotations too.
@@ -159,9 +228,11 @@ def read_truth(path: Path, root) -> list[str]:
 DICTIONARY = frozenset(CROHME_2014_SYMBOLS)
 
 
-def read_inkml(path: str | Path, raster: Raster) -> Sample:
+def read_inkml(path: str | Path, raster: Raster, redraw: Redraw | None = None) -> Sample:
     """One InkML file as a Sample: id = file stem, image = all traces rasterised, tokens = normalised truth.
 
+    With `redraw`, the strokes as another hand would write them (redraw_traces), the image's scale varied too (its
+    symbol size by 10 % times the strength), and the id "STEM~N" for the N-th drawing.
     Raises DataError naming the file (and with a `reason`) for malformed XML, a missing, broken or out-of-dictionary
     truth, or no drawable ink.
     """
@@ -171,7 +242,7 @@ def read_inkml(path: str | Path, raster: Raster) -> Sample:
     except (ET.ParseError, OSError) as e:
         raise DataError(f"{path}: not readable InkML ({e})", "malformed XML") from None
     tokens = read_truth(path, root)
-    traces, by_id = [], {}
+    traces, ids = [], []
     for el in root.iter():
         if _local(el.tag) == "trace":
             try:
@@ -180,20 +251,27 @@ def read_inkml(path: str | Path, raster: Raster) -> Sample:
                 raise DataError(
                     f"{path}: trace {el.get('id')!r} is malformed: {e}", "malformed trace"
                 ) from None
-            by_id[el.get("id")] = traces[-1]
+            ids.append(el.get("id"))
     if not any(len(t) for t in traces):
         raise DataError(f"{path}: no <trace> with points", "no ink")
+    stem, symbol_size = path.stem, raster.symbol_size
+    if redraw is not None:
+        rng = redraw.rng(stem)
+        traces = redraw_traces(traces, _symbol_groups(root, ids), rng, redraw.strength)
+        symbol_size *= float(np.exp(rng.normal(0, 0.1 * redraw.strength)))
+        stem = f"{stem}~{redraw.index}"
+    by_id = dict(zip(ids, traces))
     transform = []
     try:
         image = rasterize_traces(
-            traces, raster.height, raster.line_width, symbol_size=raster.symbol_size, transform=transform
+            traces, raster.height, raster.line_width, symbol_size=symbol_size, transform=transform
         )
     except ValueError as e:
         raise DataError(f"{path}: cannot rasterise the traces: {e}", "no ink") from None
     if not image.any():
         raise DataError(f"{path}: the traces draw an empty image", "no ink")
     boxes = symbol_boxes(root, tokens, by_id, transform[0], raster.line_width, image.shape)
-    return Sample(path.stem, image, tokens, boxes)
+    return Sample(stem, image, tokens, boxes)
 
 
 XML_ID = "{http://www.w3.org/XML/1998/namespace}id"
@@ -298,9 +376,12 @@ class FolderRead(NamedTuple):
 CACHE_FORMAT = 2
 
 
-def _folder_key(folder: Path, files: list[Path], raster: Raster) -> str:
+def _folder_key(folder: Path, files: list[Path], raster: Raster, redraw: Redraw | None = None) -> str:
     listing = [(str(f.relative_to(folder)), st.st_size, st.st_mtime_ns) for f in files for st in [f.stat()]]
-    blob = json.dumps([CACHE_FORMAT, raster._asdict(), listing])
+    drawing = (
+        [] if redraw is None else [redraw._asdict()]
+    )  # the file's own drawing keeps the keys it always had
+    blob = json.dumps([CACHE_FORMAT, raster._asdict(), listing, *drawing])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -340,9 +421,25 @@ def _load_folder(path: Path) -> FolderRead:
     return FolderRead(samples, [tuple(e) for e in meta["errors"]], int(meta["total"]))
 
 
-def read_folder(folder: str | Path, raster: Raster, cache_dir: str | Path | None = None) -> FolderRead:
-    """Every `*.inkml` under `folder` (recursively, sorted) read as Samples, with a progress bar; cached under
-    `cache_dir/crohme/` when given. A missing folder, or one without InkML files, raises DataError."""
+def _read_one(job) -> tuple[Sample | None, tuple[str, str] | None]:
+    """read_inkml of one (path, raster, redraw) job in a worker: the sample, or the (reason, message) of its error."""
+    try:
+        return read_inkml(*job), None
+    except DataError as e:
+        return None, (e.reason, str(e))
+
+
+def read_folder(
+    folder: str | Path,
+    raster: Raster,
+    cache_dir: str | Path | None = None,
+    redraw: Redraw | None = None,
+    workers: int = 0,
+) -> FolderRead:
+    """Every `*.inkml` under `folder` (recursively, sorted) read as Samples, with a progress bar, by `workers`
+    processes (data.render_workers; 0 or 1: in this one); cached under `cache_dir/crohme/` when given. With
+    `redraw`, each file's strokes as another hand would write them (read_inkml), cached apart. A missing folder, or
+    one without InkML files, raises DataError."""
     folder = Path(folder)
     hint = "set data.root to the CROHME folder, and data.train / data.test_sets to folders under it"
     if not folder.is_dir():
@@ -352,7 +449,7 @@ def read_folder(folder: str | Path, raster: Raster, cache_dir: str | Path | None
         raise DataError(f"the CROHME folder {folder} has no .inkml files; {hint}")
     cache = None
     if cache_dir:
-        key = _folder_key(folder, files, raster)
+        key = _folder_key(folder, files, raster, redraw)
         cache = Path(cache_dir).expanduser() / "crohme" / key / f"{folder.name}.npz"
         if cache.is_file():
             try:
@@ -370,11 +467,21 @@ def read_folder(folder: str | Path, raster: Raster, cache_dir: str | Path | None
     from tqdm import tqdm
 
     samples, errors, seen = [], [], {}
-    for f in tqdm(files, desc=f"reading {folder.name}", unit="file", mininterval=2, disable=len(files) < 200):
-        try:
-            s = read_inkml(f, raster)
-        except DataError as e:
-            errors.append((e.reason, str(e)))
+    desc = f"reading {folder.name}" if redraw is None else f"drawing {folder.name} again ({redraw.index})"
+    jobs = [(f, raster, redraw) for f in files]
+    with contextlib.ExitStack() as stack:
+        if workers > 1 and len(files) > 1:
+            method = "fork" if "fork" in mp.get_all_start_methods() else None
+            pool = stack.enter_context(mp.get_context(method).Pool(min(workers, len(files))))
+            read = pool.imap(_read_one, jobs, chunksize=32)
+        else:
+            read = map(_read_one, jobs)
+        results = list(
+            tqdm(read, total=len(jobs), desc=desc, unit="file", mininterval=2, disable=len(files) < 200)
+        )
+    for f, (s, error) in zip(files, results):
+        if error is not None:
+            errors.append(error)
             continue
         if s.id in seen:  # ids key predictions and checkpoints, so they must be unique
             errors.append(("duplicate id", f"{f}: id {s.id!r} already used by {seen[s.id]}"))
@@ -387,11 +494,13 @@ def read_folder(folder: str | Path, raster: Raster, cache_dir: str | Path | None
     return read
 
 
-def load_crohme_split(folder: str | Path, raster: Raster, on_error: str, cache_dir=None) -> FolderRead:
+def load_crohme_split(
+    folder: str | Path, raster: Raster, on_error: str, cache_dir=None, workers: int = 0
+) -> FolderRead:
     """A folder of InkML (read_folder) with data.on_error applied to its bad files: the first one raises
     ("fail"), or each is logged ("skip")."""
     check_on_error(on_error)
-    read = read_folder(folder, raster, cache_dir)
+    read = read_folder(folder, raster, cache_dir, workers=workers)
     for reason, message in read.errors:
         on_data_error(message, on_error, [], log, reason)
     return read
@@ -402,6 +511,32 @@ def held_out(tokens: Sequence[str], fraction: float) -> bool:
     expression falls on the same side, the same way on every machine."""
     digest = hashlib.sha256(" ".join(tokens).encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def _workers(cfg_data) -> int:
+    return int(cfg_data.get("render_workers") or 0)
+
+
+def redrawn(folder: Path, raster: Raster, cfg_data, train_ids: set[str]) -> list[Sample]:
+    """data.redraw more drawings of each training file in `train_ids` (the files left after the validation
+    hold-out), each as another hand would write it (read_inkml with a Redraw), read once and cached."""
+    n, strength = cfg_data.get("redraw", 0), cfg_data.get("redraw_strength", 1.0)
+    if not n:
+        return []
+    out = []
+    for index in range(1, n + 1):
+        read = read_folder(
+            folder, raster, cfg_data.cache_dir, Redraw(index, float(strength)), _workers(cfg_data)
+        )
+        out += [s for s in read.samples if s.id.rsplit("~", 1)[0] in train_ids]
+    log.info(
+        "data.redraw=%d: %d more drawings of the %d training files (data.redraw_strength=%g)",
+        n,
+        len(out),
+        len(train_ids),
+        strength,
+    )
+    return out
 
 
 def crohme_splits(cfg_data, which: Sequence[str]):
@@ -418,7 +553,7 @@ def crohme_splits(cfg_data, which: Sequence[str]):
         )
 
     def read(part: str, label: str) -> FolderRead:
-        r = load_crohme_split(root / part, raster, d.on_error, d.cache_dir)
+        r = load_crohme_split(root / part, raster, d.on_error, d.cache_dir, _workers(d))
         splits.report["skipped"][label] = r.reasons()
         splits.report["files"][label] = r.total
         splits.report["skipped_files"][label] = [message for _, message in r.errors]
@@ -441,7 +576,7 @@ def crohme_splits(cfg_data, which: Sequence[str]):
                 len({" ".join(s.tokens) for s in valid}),
             )
         if "train" in which:
-            splits["train"] = train
+            splits["train"] = train + redrawn(root / d.train, raster, d, {s.id for s in train})
     if "valid" in which and d.valid:
         splits["valid"] = read(d.valid, "valid").samples
     if "test" in which:

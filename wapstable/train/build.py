@@ -69,6 +69,16 @@ def validate_config(cfg: DictConfig) -> None:
         raise UserError(f"data.curriculum_epochs={d.curriculum_epochs} must be >= 0 (0 = no curriculum)")
     if not d.get("warp", 0) >= 0:
         raise UserError(f"data.warp={d.warp} must be >= 0 (0 turns the per-step warp off)")
+    if d.get("redraw", 0) < 0 or not d.get("redraw_strength", 1.0) >= 0:
+        raise UserError(
+            f"data.redraw={d.redraw} and data.redraw_strength={d.redraw_strength} must be >= 0 (data.redraw=0 "
+            "trains on each file as written; data.redraw=2 adds two more drawings of each, in other hands)"
+        )
+    if d.get("redraw", 0) > 0 and d.name != "crohme":
+        raise UserError(
+            f"data.redraw={d.redraw} draws CROHME's training strokes again, and data={d.name} has no strokes; "
+            "set data.redraw=0"
+        )
     if d.pixel_budget <= 0 or d.max_batch <= 0:
         raise UserError("data.pixel_budget and data.max_batch must be positive")
     if cfg.decode.max_len <= 0 or cfg.decode.beam_size <= 0 or cfg.decode.final_beam_size <= 0:
