@@ -171,7 +171,7 @@ def redraw_traces(
     whole expression slanted (shear 0.1) and stretched across (6 %). Every figure is multiplied by `strength`.
     The symbol size is the median over the symbols of their larger side; a longer symbol is turned and bent no more
     at its ends than one of that size."""
-    from wapstable.data.handwriting import distort_glyph
+    from wapstable.data.handwriting import distort_glyph, jitter_glyph, slant
 
     out = [np.asarray(t, dtype=np.float64)[:, :2].copy() for t in traces]
     drawn = [[i for i in g if len(out[i])] for g in groups]
@@ -187,18 +187,14 @@ def redraw_traces(
         # as one of the usual size would be at its ends: by an angle and a bend `short` times the figures, one
         # cycle of the bend along its whole length
         short = min(1.0, size / side) if side > 0 else 1.0
-        scale = np.exp(rng.normal(0, 0.08 * strength)) * np.exp(rng.normal(0, 0.05 * strength, 2))
-        angle = np.radians(rng.normal(0, 4.0 * strength * short))
-        rot = np.array([[np.cos(angle), -np.sin(angle)], [np.sin(angle), np.cos(angle)]])
-        shift = rng.normal(0, 0.05 * strength, 2) * size
-        moved = [(out[i] - centre) * scale @ rot.T + centre + shift for i in g]
+        moved = jitter_glyph([out[i] for i in g], centre, size, rng, strength, turn=strength * short)
         for i, stroke in zip(g, distort_glyph(moved, max(side, size), rng, strength * short)):
             out[i] = stroke
     pts = np.concatenate([t for t in out if len(t)])
     y_mid = (pts[:, 1].min() + pts[:, 1].max()) / 2
     shear = rng.normal(0, 0.1 * strength)
     stretch = np.exp(rng.normal(0, 0.06 * strength))
-    return [np.stack([(t[:, 0] - shear * (t[:, 1] - y_mid)) * stretch, t[:, 1]], 1) for t in out]
+    return [t * (stretch, 1.0) for t in slant(out, shear, y_mid)]
 
 
 def read_truth(path: Path, root) -> list[str]:

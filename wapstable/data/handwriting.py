@@ -212,17 +212,27 @@ def draw_glyph(
     if jitter <= 0:
         return distort_glyph(strokes, size, rng, distort) if distort > 0 else strokes
     centre = np.array([(x0 + x1) / 2, (y0 + y1) / 2])
+    out = jitter_glyph(strokes, centre, size, rng, jitter)
+    if real is None:  # real ink shakes already
+        out = [_wobble(s, rng, 0.025 * jitter * size) for s in out]
+    return distort_glyph(out, size, rng, distort) if distort > 0 else out
+
+
+def jitter_glyph(
+    strokes: list[np.ndarray],
+    centre: np.ndarray,
+    size: float,
+    rng: np.random.Generator,
+    jitter: float,
+    turn: float | None = None,
+) -> list[np.ndarray]:
+    """The glyph's strokes scaled (8 %, and 5 % more per axis), turned (4 degrees) and moved (5 % of `size`) about
+    `centre` as one, every figure times `jitter` (the turn times `turn` when given)."""
     scale = np.exp(rng.normal(0, 0.08 * jitter)) * np.exp(rng.normal(0, 0.05 * jitter, 2))
-    angle = np.radians(rng.normal(0, 4.0 * jitter))
+    angle = np.radians(rng.normal(0, 4.0 * (jitter if turn is None else turn)))
     rot = np.array([[np.cos(angle), -np.sin(angle)], [np.sin(angle), np.cos(angle)]])
     shift = rng.normal(0, 0.05 * jitter, 2) * size
-    out = []
-    for s in strokes:
-        s = (s - centre) * scale @ rot.T + centre + shift
-        out.append(
-            s if real is not None else _wobble(s, rng, 0.025 * jitter * size)
-        )  # real ink shakes already
-    return distort_glyph(out, size, rng, distort) if distort > 0 else out
+    return [(s - centre) * scale @ rot.T + centre + shift for s in strokes]
 
 
 def distort_glyph(
