@@ -538,6 +538,18 @@ def test_read_folder_in_worker_processes_reads_the_same(tmp_path):
         assert one.reasons() == {"malformed XML": 1}
 
 
+def test_redraw_trains_end_to_end(tmp_path):
+    from conftest import run_train
+
+    root = published_layout(tmp_path / "c")
+    args = ["data=crohme", f"data.root={root}", "data.valid_fraction=0.3", "data.height=32"]
+    plain = run_train(args, tmp_path / "plain", tmp_path / "cache").stdout
+    log = run_train([*args, "data.redraw=1"], tmp_path / "run", tmp_path / "cache").stdout
+    n = int(plain.split("data: crohme, ")[1].split(" train")[0])
+    assert f"data.redraw=1: {n} more drawings of the {n} training files" in log
+    assert f"data: crohme, {2 * n} train" in log and (tmp_path / "run" / "metrics.json").is_file()
+
+
 @pytest.mark.parametrize(
     "bad, says",
     [
