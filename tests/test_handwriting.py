@@ -148,6 +148,72 @@ def test_distort_changes_a_glyph_s_shape_not_only_its_place(glyph):
     assert _affine_residual(np.concatenate(exact), np.concatenate(bent)) > 0.01 * size
 
 
+def _unit_of(strokes: list[np.ndarray]) -> list[np.ndarray]:
+    return hw._to_unit(strokes)
+
+
+def _same_strokes(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and np.allclose(x, y, atol=1e-9) for x, y in zip(a, b))
+
+
+def test_allographs_draw_the_other_forms_by_their_chance():
+    """data.allographs: 0 draws exactly the fonts' glyphs without touching the random stream; 1 draws every symbol
+    that has other forms in one of them, each form in turn; between, both; a symbol without other forms and the
+    real ink of data.glyphs=crohme are never changed."""
+    box, size = (10.0, 20.0, 30.0, 48.0), 28.0
+
+    def draw(c, chance, seed, jitter=0.0):
+        return hw.draw_glyph(c, box, size, "futural", np.random.default_rng(seed), jitter, None, 0.0, chance)
+
+    forms = {c: [hw._to_unit(f) for f in fs] for c, fs in hw.ALLOGRAPHS.items()}
+    for c in ("1", "x", "\\alpha", "w"):
+        legacy = hw.draw_glyph(c, box, size, "futural", np.random.default_rng(3), 1.0)
+        assert _same_strokes(draw(c, 0.0, 3, jitter=1.0), legacy)  # the stream untouched at 0
+    font = _unit_of(draw("4", 0.0, 0))
+    seen = {c: set() for c in forms}
+    for seed in range(40):
+        for c, options in forms.items():
+            unit = _unit_of(draw(c, 1.0, seed))
+            match = [k for k, f in enumerate(options) if _same_strokes(unit, f)]
+            assert match, f"{c} at chance 1 was not drawn in one of its forms"
+            seen[c].add(match[0])
+    assert all(seen[c] == set(range(len(forms[c]))) for c in forms)  # every form is drawn
+    assert not any(_same_strokes(font, f) for f in forms["4"])  # the forms are not the font's glyph
+    half = [any(_same_strokes(_unit_of(draw("4", 0.5, k)), f) for f in forms["4"]) for k in range(200)]
+    assert 60 < sum(half) < 140  # about half of them
+    # a symbol without other forms is drawn as before
+    assert all(_same_strokes(draw("w", 1.0, k, 1.0), draw("w", 0.0, k, 1.0)) for k in range(5))
+    # real ink (data.glyphs=crohme) is drawn as written, whatever the chance
+    bank = {"4": [[np.array([(0.0, 0.0), (1.0, 2.0)]), np.array([(1.0, 0.0), (0.0, 2.0)])]]}
+    real = hw.draw_glyph("4", box, size, "futural", np.random.default_rng(1), 0.0, bank, 0.0, 1.0)
+    assert _same_strokes(_unit_of(real), hw._to_unit(bank["4"][0]))
+
+
+def test_allographs_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
+    """data.allographs draws another image exactly where a label holds a symbol with other forms, under its own
+    cache entry; its default keeps the cache key of the configs before it."""
+    base = ["debug=tiny", "data.style=handwritten", "data.symbols=crohme", "data.render_workers=1"]
+
+    def build(*extra):
+        cfg = compose_config([*base, *extra]).data
+        cfg.cache_dir = str(tmp_path)
+        return S._cache_params(cfg), S.build_splits(cfg)
+
+    params, plain = build()
+    assert "allographs" not in params
+    p, other = build("data.allographs=1")
+    assert p["allographs"] == 1.0 and len(list(tmp_path.rglob("splits.npz"))) == 2
+    names = ("\\sin", "\\cos", "\\tan", "\\log", "\\lim")  # drawn as their letters
+    count = 0
+    for x, y in zip(other["train"], plain["train"]):
+        assert x.tokens == y.tokens
+        glyphs = set(x.tokens) | {ch for t in x.tokens if t in names for ch in t[1:]}
+        changed = x.image.shape != y.image.shape or not np.array_equal(x.image, y.image)
+        assert changed == bool(glyphs & set(hw.ALLOGRAPHS)), x.tokens
+        count += changed
+    assert 0 < count < len(plain["train"])  # both kinds occur, so the test tells them apart
+
+
 def test_jitter_and_distort_are_keys_of_the_cache_and_of_the_pixels(tmp_path):
     """data.jitter and data.distort each draw other images under their own cache entry; their defaults leave the
     cache key of a config as it was before they existed."""
@@ -249,6 +315,12 @@ def test_experiment_handwritten_tests_on_crohme_folders(tmp_path, cache_dir):
         (["data.style=handwritten", "data.jitter=nan"], ["data.jitter=nan", "must be >= 0"]),
         (["data.jitter=2"], ["data.jitter=2.0 shapes handwritten glyphs", "data.style=handwritten"]),
         (["data.distort=1"], ["data.distort=1.0 shapes handwritten glyphs", "data.style=handwritten"]),
+        (
+            ["data.allographs=0.5"],
+            ["data.allographs=0.5 shapes handwritten glyphs", "data.style=handwritten"],
+        ),
+        (["data.style=handwritten", "data.allographs=2"], ["data.allographs=2.0 is a chance", "between 0"]),
+        (["data.style=handwritten", "data.allographs=-1"], ["data.allographs=-1.0 must be >= 0"]),
     ],
 )
 def test_bad_style_values_are_refused(tmp_path, cache_dir, args, says):

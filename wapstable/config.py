@@ -128,6 +128,9 @@ class DataConfig:
     # handwritten, with data.augment: how far each glyph's shape is changed (0: not at all; 1: each stroke shifted
     # 3 %, turned 5 degrees, scaled 8 % on its own, the glyph bent by up to 6 % of the font size; data/handwriting.py)
     distort: float = 0.0
+    # handwritten, with data.augment: the chance that a symbol with other hand-written forms (a bare 1, a looped 2, an
+    # open 4, an x of two arcs...: data/handwriting.py ALLOGRAPHS) is drawn in one of them instead of its font's (0..1)
+    allographs: float = 0.0
     # A fresh random affine warp of each training image at every step, boxes moved with it (wapstable/data/warp.py);
     # its strength: 1 = up to 1.5 degrees of rotation, 0.15 of shear, 15 % of shrink, 2 px of shift. 0 = off.
     warp: float = 0.0

@@ -79,6 +79,82 @@ DRAWN = {
 }
 RADICAL = [(0, 0.6), (0.18, 0.5), (0.45, 1), (1, 0)]  # the sign; its bar continues from the last point
 
+# Other forms of the symbols CROHME writers write most, as hands write them and the four stroke fonts do not
+# (data.allographs): a 1 as a bare bar, a looped 2, a flat-topped 3, an open 4, a 7 with its bar, a 9 of a loop and a
+# straight stem, an x of two arcs, a y as a u with a tail, a z with its bar, a single-storey a... In a unit box
+# (x right, y down), stretched to the glyph's box like the fonts' glyphs.
+# fmt: off
+ALLOGRAPHS = {
+    "1": [
+        [[(0.5, 0), (0.5, 1)]],
+        [[(0.1, 0.25), (0.6, 0), (0.6, 1)]],
+        [[(0.2, 0.2), (0.55, 0), (0.55, 1)], [(0.15, 1), (0.95, 1)]],
+    ],
+    "2": [
+        [[*_arc(0.5, 0.3, 0.42, 0.3, 200, 380, 10),
+          (0.1, 0.95), (0.05, 0.85), (0.2, 0.8), (0.4, 0.95), (0.7, 1), (1, 0.95)]],
+        [[*_arc(0.5, 0.3, 0.42, 0.3, 200, 380, 10), (0.02, 1), (1, 1)]],
+    ],
+    "3": [
+        [[(0.05, 0), (0.9, 0), (0.4, 0.38), *_arc(0.45, 0.68, 0.5, 0.32, 270, 500, 10)]],
+        [[*_arc(0.45, 0.25, 0.45, 0.25, 200, 450, 9), *_arc(0.45, 0.73, 0.5, 0.27, 270, 500, 9)]],
+    ],
+    "4": [
+        [[(0.5, 0), (0.05, 0.65), (1, 0.65)], [(0.75, 0.3), (0.75, 1)]],
+        [[(0.1, 0), (0.05, 0.6), (1, 0.6)], [(0.72, 0), (0.72, 1)]],
+    ],
+    "5": [[[(0.15, 0), (0.1, 0.45), *_arc(0.5, 0.68, 0.45, 0.32, 240, 500, 10)], [(0.15, 0), (0.95, 0)]]],
+    "7": [
+        [[(0, 0.05), (1, 0), (0.35, 1)], [(0.3, 0.5), (0.9, 0.5)]],
+        [[(0, 0.12), (0.05, 0), (1, 0), (0.55, 0.5), (0.4, 1)]],
+    ],
+    "8": [[_arc(0.5, 0.25, 0.3, 0.25, 90, 450, 16), _arc(0.5, 0.72, 0.38, 0.28, -90, 270, 16)]],
+    "9": [[[*_arc(0.45, 0.3, 0.42, 0.3, 0, -360, 16), (0.87, 0.1), (0.82, 1)]]],
+    "x": [
+        [[(0.05, 0.12), (0.3, 0), (0.48, 0.25), (0.5, 0.5), (0.48, 0.75), (0.3, 1), (0.05, 0.88)],
+         [(0.95, 0.12), (0.7, 0), (0.52, 0.25), (0.5, 0.5), (0.52, 0.75), (0.7, 1), (0.95, 0.88)]],
+        [[(0, 0.25), (0.2, 0.02), (0.4, 0.1), (0.6, 0.9), (0.8, 1), (1, 0.75)], [(1, 0), (0, 1)]],
+    ],
+    "y": [
+        [[(0, 0), (0.05, 0.35), (0.3, 0.5), (0.6, 0.38), (0.75, 0)],
+         [(0.78, 0), (0.75, 0.75), (0.55, 1), (0.2, 0.92)]],
+        [[(0, 0), (0.45, 0.5)], [(0.95, 0), (0.45, 0.5), (0.2, 1)]],
+    ],
+    "z": [
+        [[(0, 0), (1, 0), (0, 1), (1, 1)], [(0.2, 0.5), (0.8, 0.5)]],
+        [[(0.05, 0.1), (0.3, 0), (0.9, 0.05), (0.1, 0.95), (0.4, 0.9), (1, 1)]],
+    ],
+    "a": [[[*_arc(0.45, 0.5, 0.42, 0.48, -30, -360, 16), (0.9, 0.05), (0.9, 0.85), (1, 1)]]],
+    "b": [[[(0.12, 0), (0.1, 1), (0.12, 0.6), (0.45, 0.42), (0.85, 0.55), (0.9, 0.8), (0.65, 1), (0.3, 1),
+            (0.1, 0.9)]]],
+    "d": [[[*_arc(0.42, 0.72, 0.4, 0.28, -20, -360, 14), (0.85, 0), (0.85, 1)]]],
+    "e": [[[(0.1, 0.55), (0.85, 0.45), (0.8, 0.15), (0.5, 0), (0.15, 0.2), (0.05, 0.6), (0.3, 0.95), (0.6, 1),
+            (0.95, 0.85)]]],
+    "f": [[[(0.9, 0.1), (0.7, 0), (0.5, 0.1), (0.45, 0.5), (0.4, 0.9), (0.2, 1), (0.05, 0.92)],
+           [(0.15, 0.4), (0.8, 0.4)]]],
+    "g": [[[*_arc(0.45, 0.27, 0.42, 0.27, -20, -360, 14), (0.88, 0), (0.85, 0.8), (0.6, 1), (0.3, 1),
+            (0.1, 0.85)]]],
+    "h": [[[(0.1, 0), (0.1, 1), (0.12, 0.6), (0.4, 0.42), (0.75, 0.45), (0.9, 0.6), (0.9, 1)]]],
+    "i": [[[(0.5, 0.3), (0.5, 1)], _dot(0.5, 0)]],
+    "j": [[[(0.6, 0.3), (0.6, 0.85), (0.4, 1), (0.1, 0.9)], _dot(0.6, 0)]],
+    "k": [[[(0.1, 0), (0.1, 1)], [(0.85, 0.35), (0.1, 0.68), (0.9, 1)]]],
+    "m": [[[(0.02, 0), (0.02, 1), (0.05, 0.3), (0.2, 0.02), (0.4, 0.05), (0.5, 0.3), (0.5, 1), (0.52, 0.3),
+            (0.7, 0.02), (0.9, 0.05), (0.98, 0.3), (0.98, 1)]]],
+    "n": [[[(0.05, 0), (0.05, 1), (0.08, 0.4), (0.35, 0.05), (0.7, 0.02), (0.9, 0.3), (0.92, 1)]]],
+    "p": [[[(0.1, 0), (0.1, 1)], [(0.1, 0.1), (0.5, 0), (0.9, 0.15), (0.9, 0.4), (0.5, 0.55), (0.1, 0.45)]]],
+    "q": [[[*_arc(0.45, 0.27, 0.42, 0.27, -20, -360, 14), (0.88, 0), (0.88, 1), (1, 0.85)]]],
+    "r": [[[(0.1, 0), (0.1, 1), (0.12, 0.45), (0.4, 0.08), (0.7, 0), (0.95, 0.1)]]],
+    "t": [
+        [[(0.5, 0), (0.5, 1)], [(0.1, 0.3), (0.9, 0.3)]],
+        [[(0.45, 0), (0.45, 0.85), (0.6, 1), (0.9, 0.9)], [(0.05, 0.3), (0.85, 0.3)]],
+    ],
+    "\\alpha": [[[(0.95, 0.1), (0.8, 0.45), (0.55, 0.85), (0.3, 0.98), (0.08, 0.85), (0.02, 0.5), (0.12, 0.15),
+                  (0.35, 0.02), (0.55, 0.15), (0.75, 0.6), (1, 0.98)]]],
+    "\\theta": [[_arc(0.5, 0.5, 0.45, 0.5, -90, 270, 18), [(0.08, 0.5), (0.92, 0.5)]]],
+    "\\pi": [[[(0, 0.12), (0.3, 0.02), (1, 0)], [(0.3, 0.05), (0.25, 1)], [(0.72, 0.03), (0.78, 0.9), (0.9, 1)]]],
+}
+# fmt: on
+
 
 @cache
 def _font(name: str):
@@ -111,10 +187,25 @@ def unit_strokes(c: str, text_font: str) -> list[np.ndarray] | None:
         return None
     if strokes is None:
         return None
+    return _to_unit(strokes)
+
+
+def _to_unit(strokes) -> list[np.ndarray]:
+    """Strokes moved and scaled to span the unit box (an axis they do not span: 0.5)."""
     out = [np.asarray(s, dtype=np.float64) for s in strokes]
     pts = np.concatenate(out)
     lo, span = pts.min(0), np.ptp(pts, 0)
     return [np.where(span > 0, (s - lo) / np.where(span > 0, span, 1), 0.5) for s in out]
+
+
+def allograph(c: str, rng: np.random.Generator, chance: float) -> list[np.ndarray] | None:
+    """With probability `chance` (data.allographs), one of the other forms of glyph `c` (ALLOGRAPHS) in the unit
+    box, each form as likely; else None (the fonts draw it). Draws from `rng` only for a glyph that has other forms,
+    and only when `chance` > 0."""
+    forms = ALLOGRAPHS.get(c) if chance > 0 else None
+    if not forms or rng.random() >= chance:
+        return None
+    return _to_unit(forms[int(rng.integers(len(forms)))])
 
 
 def _wobble(stroke: np.ndarray, rng: np.random.Generator, amount: float) -> np.ndarray:
@@ -194,17 +285,19 @@ def draw_glyph(
     jitter: float = 1.0,
     bank=None,
     distort: float = 0.0,
+    allographs: float = 0.0,
 ) -> list[np.ndarray]:
     """The strokes of glyph `c` fitted into `box` (x0, y0, x1, y1, y down) of an expression whose font size is
     `size` (the same units), jittered by `rng` (`jitter` 0 = exactly in the box). With `bank` (ink_bank.Bank),
-    a real written sample of the symbol when the bank has one, else the stroke fonts. With `distort` > 0 the
-    glyph's shape changes too (see `distort_glyph`), with or without the jitter."""
+    a real written sample of the symbol when the bank has one, else the stroke fonts, or with probability
+    `allographs` another hand-written form of the symbol (ALLOGRAPHS). With `distort` > 0 the glyph's shape
+    changes too (see `distort_glyph`), with or without the jitter."""
     x0, y0, x1, y1 = (float(v) for v in box)
     real = bank_sample(bank, bank_token(c), rng)
     if real is not None:
         strokes = fit(real, box)
     else:
-        unit = unit_strokes(c, text_font)
+        unit = allograph(c, rng, allographs) or unit_strokes(c, text_font)
         if unit is None:  # a glyph no source draws: a stroke across its box, so that it is not invisible
             unit = [np.array([(0.0, 0.5), (1.0, 0.5)])]
         w, h = max(x1 - x0, 0.0), max(y1 - y0, 0.0)

@@ -40,8 +40,9 @@ FORMAT_VERSION = 2
 # bump whenever data.style=handwritten draws other strokes for the same config (2: roots drawn in every font set)
 HANDWRITING_VERSION = 2
 SPLITS = ("train", "valid", "test")
-# data.jitter and data.distort at their defaults (config.DataConfig): a handwritten glyph as the fonts have drawn it
-GLYPH_STRAYING = {"jitter": 1.0, "distort": 0.0}
+# data.jitter, data.distort and data.allographs at their defaults (config.DataConfig): a handwritten glyph as the
+# fonts have drawn it
+GLYPH_STRAYING = {"jitter": 1.0, "distort": 0.0, "allographs": 0.0}
 MARGIN = 4  # px of background kept around the ink
 FONTS = ("cm", "stix", "stixsans", "dejavuserif", "dejavusans")
 
@@ -775,13 +776,15 @@ def render_handwritten(
     jitter: float = 1.0,
     bank=None,
     distort: float = 0.0,
+    allographs: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """data.style=handwritten: the image of `tokens` drawn as pen strokes on mathtext's layout (font set `font`
     at `font_size`), rasterised like InkML by `raster` (wapstable.data.crohme.Raster), and its tokens' boxes
     (NaN rows for inkless tokens, all NaN when the layout could not be matched to the tokens). With `bank`
     (wapstable.data.ink_bank: data.glyphs=crohme), each symbol the bank has is a real written sample of it.
     `jitter` scales every glyph's random scale, rotation, shift and wobble and the expression's slant (data.jitter;
-    0 draws the layout exactly); `distort` > 0 also changes each glyph's shape (data.distort, hw.distort_glyph)."""
+    0 draws the layout exactly); `distort` > 0 also changes each glyph's shape (data.distort, hw.distort_glyph);
+    `allographs` is the chance that a symbol with other hand-written forms is drawn in one (data.allographs)."""
     from wapstable.data import handwriting as hw
     from wapstable.data.crohme import rasterize_traces
 
@@ -802,7 +805,7 @@ def render_handwritten(
         elif kind == "r":
             strokes = hw.draw_rule(box, rng, jitter, font_size, bank)
         else:
-            strokes = hw.draw_glyph(c, box, font_size, text_font, rng, jitter, bank, distort)
+            strokes = hw.draw_glyph(c, box, font_size, text_font, rng, jitter, bank, distort, allographs)
         drawn += [(owners[k], s) for s in strokes]
         k += 1
     if not drawn:
@@ -834,7 +837,20 @@ def render_handwritten(
 
 def _render_chunk(job: tuple) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
     """(image, token boxes) of each label of the job, and how many layouts did not match their tokens."""
-    split_code, start, labels, fonts, font_size, augment, seed, raster, bank_file, jitter, distort = job
+    (
+        split_code,
+        start,
+        labels,
+        fonts,
+        font_size,
+        augment,
+        seed,
+        raster,
+        bank_file,
+        jitter,
+        distort,
+        allographs,
+    ) = job
     out, failures = [], box_failures
     unmatched = (
         0  # handwritten layouts that did not match their tokens (render() counts its own in box_failures)
@@ -858,6 +874,7 @@ def _render_chunk(job: tuple) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]
                     jitter=jitter if augment else 0.0,
                     bank=bank,
                     distort=distort if augment else 0.0,
+                    allographs=allographs if augment else 0.0,
                 )
                 unmatched += bool(np.isnan(boxes).all())
                 out.append((image, boxes))
@@ -913,6 +930,7 @@ def _render_all(labels: dict[str, list[list[str]]], cfg, params: dict) -> dict[s
                     bank_file,
                     params.get("jitter", GLYPH_STRAYING["jitter"]),
                     params.get("distort", GLYPH_STRAYING["distort"]),
+                    params.get("allographs", GLYPH_STRAYING["allographs"]),
                 )
             )
             owners.append(split)
@@ -986,13 +1004,19 @@ def _check_glyphs(cfg) -> None:
 
 
 def _straying(cfg) -> dict[str, float]:
-    """data.jitter and data.distort where they are not at their defaults (GLYPH_STRAYING); a config from before they
-    existed has the defaults. A negative or NaN value is refused."""
+    """data.jitter, data.distort and data.allographs where they are not at their defaults (GLYPH_STRAYING); a config
+    from before they existed has the defaults. A negative or NaN value is refused, and data.allographs over 1."""
     values = {name: float(getattr(cfg, name, default)) for name, default in GLYPH_STRAYING.items()}
     if not all(v >= 0 for v in values.values()):  # NaN too
         raise UserError(
-            f"data.jitter={values['jitter']} and data.distort={values['distort']} must be >= 0 (data.jitter=1 is the "
-            "usual jitter of each glyph, data.distort=0 leaves its shape alone)"
+            f"data.jitter={values['jitter']}, data.distort={values['distort']} and data.allographs="
+            f"{values['allographs']} must be >= 0 (data.jitter=1 is the usual jitter of each glyph, data.distort=0 "
+            "leaves its shape alone, data.allographs=0 draws every glyph as the fonts do)"
+        )
+    if values["allographs"] > 1:
+        raise UserError(
+            f"data.allographs={values['allographs']} is a chance: set it between 0 (the fonts' glyphs only) and 1 "
+            "(the other hand-written forms wherever a symbol has them)"
         )
     return {name: v for name, v in values.items() if v != GLYPH_STRAYING[name]}
 
