@@ -148,10 +148,14 @@ def handwriting(out: Path, n: int = 8, seed: int = 2, crohme: Path | None = None
         OmegaConf.load(CONF_DIR / "experiment" / "handwritten.yaml").data,
     )
     raster = Raster.of(data)
+    # the glyphs as far from the fonts as the preset draws them
+    style = {key: float(data[key]) for key in ("jitter", "distort", "allographs")}
     panels = []
     for i, tokens in enumerate(generate_expressions(n, seed, int(data.difficulty), symbols="crohme")):
         rng = np.random.default_rng([seed, i])
-        image, boxes = render_handwritten(tokens, FONTS[i % len(FONTS)], int(data.font_size), rng, raster)
+        image, boxes = render_handwritten(
+            tokens, FONTS[i % len(FONTS)], int(data.font_size), rng, raster, **style
+        )
         panels.append((image, boxes, tokens, "rendered handwriting (data.style=handwritten)"))
     if crohme is not None:
         from wapstable.data.ink_bank import bank_path, load_bank
