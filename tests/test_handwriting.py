@@ -148,10 +148,6 @@ def test_distort_changes_a_glyph_s_shape_not_only_its_place(glyph):
     assert _affine_residual(np.concatenate(exact), np.concatenate(bent)) > 0.01 * size
 
 
-def _unit_of(strokes: list[np.ndarray]) -> list[np.ndarray]:
-    return hw._to_unit(strokes)
-
-
 def _same_strokes(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
     return len(a) == len(b) and all(x.shape == y.shape and np.allclose(x, y, atol=1e-9) for x, y in zip(a, b))
 
@@ -169,39 +165,40 @@ def test_allographs_draw_the_other_forms_by_their_chance():
     for c in ("1", "x", "\\alpha", "w"):
         legacy = hw.draw_glyph(c, box, size, "futural", np.random.default_rng(3), 1.0)
         assert _same_strokes(draw(c, 0.0, 3, jitter=1.0), legacy)  # the stream untouched at 0
-    font = _unit_of(draw("4", 0.0, 0))
+    font = hw._to_unit(draw("4", 0.0, 0))
     seen = {c: set() for c in forms}
     for seed in range(40):
         for c, options in forms.items():
-            unit = _unit_of(draw(c, 1.0, seed))
+            unit = hw._to_unit(draw(c, 1.0, seed))
             match = [k for k, f in enumerate(options) if _same_strokes(unit, f)]
             assert match, f"{c} at chance 1 was not drawn in one of its forms"
             seen[c].add(match[0])
     assert all(seen[c] == set(range(len(forms[c]))) for c in forms)  # every form is drawn
     assert not any(_same_strokes(font, f) for f in forms["4"])  # the forms are not the font's glyph
-    half = [any(_same_strokes(_unit_of(draw("4", 0.5, k)), f) for f in forms["4"]) for k in range(200)]
+    half = [any(_same_strokes(hw._to_unit(draw("4", 0.5, k)), f) for f in forms["4"]) for k in range(200)]
     assert 60 < sum(half) < 140  # about half of them
     # a symbol without other forms is drawn as before
     assert all(_same_strokes(draw("w", 1.0, k, 1.0), draw("w", 0.0, k, 1.0)) for k in range(5))
     # real ink (data.glyphs=crohme) is drawn as written, whatever the chance
     bank = {"4": [[np.array([(0.0, 0.0), (1.0, 2.0)]), np.array([(1.0, 0.0), (0.0, 2.0)])]]}
     real = hw.draw_glyph("4", box, size, "futural", np.random.default_rng(1), 0.0, bank, 0.0, 1.0)
-    assert _same_strokes(_unit_of(real), hw._to_unit(bank["4"][0]))
+    assert _same_strokes(hw._to_unit(real), hw._to_unit(bank["4"][0]))
+
+
+def _build_handwritten(tmp_path, *extra):
+    """The cache parameters and splits of a tiny handwritten config with `extra` overrides, cached under tmp_path."""
+    base = ["debug=tiny", "data.style=handwritten", "data.symbols=crohme", "data.render_workers=1"]
+    cfg = compose_config([*base, *extra]).data
+    cfg.cache_dir = str(tmp_path)
+    return S._cache_params(cfg), S.build_splits(cfg)
 
 
 def test_allographs_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
     """data.allographs draws another image exactly where a label holds a symbol with other forms, under its own
     cache entry; its default keeps the cache key of the configs before it."""
-    base = ["debug=tiny", "data.style=handwritten", "data.symbols=crohme", "data.render_workers=1"]
-
-    def build(*extra):
-        cfg = compose_config([*base, *extra]).data
-        cfg.cache_dir = str(tmp_path)
-        return S._cache_params(cfg), S.build_splits(cfg)
-
-    params, plain = build()
+    params, plain = _build_handwritten(tmp_path)
     assert "allographs" not in params
-    p, other = build("data.allographs=1")
+    p, other = _build_handwritten(tmp_path, "data.allographs=1")
     assert p["allographs"] == 1.0 and len(list(tmp_path.rglob("splits.npz"))) == 2
     names = ("\\sin", "\\cos", "\\tan", "\\log", "\\lim")  # drawn as their letters
     count = 0
@@ -217,17 +214,10 @@ def test_allographs_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
 def test_jitter_and_distort_are_keys_of_the_cache_and_of_the_pixels(tmp_path):
     """data.jitter and data.distort each draw other images under their own cache entry; their defaults leave the
     cache key of a config as it was before they existed."""
-    base = ["debug=tiny", "data.style=handwritten", "data.symbols=crohme", "data.render_workers=1"]
-
-    def build(*extra):
-        cfg = compose_config([*base, *extra]).data
-        cfg.cache_dir = str(tmp_path)
-        return S._cache_params(cfg), S.build_splits(cfg)
-
-    params, plain = build()
+    params, plain = _build_handwritten(tmp_path)
     assert "jitter" not in params and "distort" not in params  # the caches of existing configs stay valid
     for extra, key, value in (("data.jitter=2", "jitter", 2.0), ("data.distort=1", "distort", 1.0)):
-        p, other = build(extra)
+        p, other = _build_handwritten(tmp_path, extra)
         assert p[key] == value
         # the same expressions
         assert [s.tokens for s in other["train"]] == [s.tokens for s in plain["train"]]
@@ -238,8 +228,8 @@ def test_jitter_and_distort_are_keys_of_the_cache_and_of_the_pixels(tmp_path):
         assert changed == len(plain["train"])  # every image drawn in another hand
     assert len(list(tmp_path.rglob("splits.npz"))) == 3
     # data.jitter=0 draws no jitter even with data.augment on: the same pixels as data.augment=false
-    _, still = build("data.jitter=0")
-    _, off = build("data.augment=false")
+    _, still = _build_handwritten(tmp_path, "data.jitter=0")
+    _, off = _build_handwritten(tmp_path, "data.augment=false")
     assert all(np.array_equal(x.image, y.image) for x, y in zip(still["train"], off["train"]))
 
 

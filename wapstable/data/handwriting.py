@@ -202,10 +202,16 @@ def allograph(c: str, rng: np.random.Generator, chance: float) -> list[np.ndarra
     """With probability `chance` (data.allographs), one of the other forms of glyph `c` (ALLOGRAPHS) in the unit
     box, each form as likely; else None (the fonts draw it). Draws from `rng` only for a glyph that has other forms,
     and only when `chance` > 0."""
-    forms = ALLOGRAPHS.get(c) if chance > 0 else None
+    forms = _unit_forms(c) if chance > 0 else ()
     if not forms or rng.random() >= chance:
         return None
-    return _to_unit(forms[int(rng.integers(len(forms)))])
+    return forms[int(rng.integers(len(forms)))]
+
+
+@cache
+def _unit_forms(c: str) -> tuple[list[np.ndarray], ...]:
+    """The other forms of glyph `c` (ALLOGRAPHS), each moved and scaled into the unit box once (read-only)."""
+    return tuple(_to_unit(form) for form in ALLOGRAPHS.get(c, ()))
 
 
 def _wobble(stroke: np.ndarray, rng: np.random.Generator, amount: float) -> np.ndarray:
