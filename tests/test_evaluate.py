@@ -80,6 +80,34 @@ def test_evaluate_overrides_and_errors(tiny_run, tmp_path, capsys):
     assert proc.stderr.strip().count("\n") == 0 and "missing.pt does not exist" in proc.stderr
 
 
+def test_evaluate_writes_predictions_and_prints_the_frequent_edits(tiny_run, tmp_path, capsys):
+    from wapstable.eval.metrics import confusions, edit_distance
+
+    ckpt = tiny_run / "checkpoints" / "best.pt"
+    evaluate = load_script("evaluate.py")
+    path = tmp_path / "deep" / "pred.jsonl"
+    out = tmp_path / "valid.json"
+    args = [str(ckpt), "split=valid", "decode.beam_size=1", "--out", str(out), "--predictions", str(path)]
+    assert evaluate.main(args) == 0
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    result = json.loads(out.read_text())
+    assert len(rows) == result["count"] == 8 and len({r["id"] for r in rows}) == 8
+    assert not list(path.parent.glob("*.tmp"))  # written whole, then renamed
+    for r in rows:
+        assert r["errors"] == edit_distance(r["truth"], r["prediction"])
+    # the records are the scored ones: their exact share is the ExpRate, their edits the WER
+    assert 100.0 * sum(r["errors"] == 0 for r in rows) / 8 == pytest.approx(result["exprate"])
+    edits, tokens = sum(r["errors"] for r in rows), sum(len(r["truth"]) for r in rows)
+    assert 100.0 * edits / tokens == pytest.approx(result["wer"])
+    # the printed edits are those of the records, most frequent first
+    printed = capsys.readouterr().out.split("reference -> predicted\n", 1)[1].splitlines()
+    counts = confusions((r["truth"], r["prediction"]) for r in rows)
+    assert sum(counts.values()) == edits
+    assert printed and len(printed) == min(15, len(counts))
+    top, top_count = counts.most_common(1)[0]
+    assert printed[0].split() == [str(top_count), top[0] or "<none>", "->", top[1] or "<none>"]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # predict.py
 

@@ -1,6 +1,17 @@
+import random
+from collections import Counter
+
 import pytest
 
-from wapstable.eval.metrics import ExpressionMetrics, edit_distance, format_table, length_bucket
+from wapstable.eval.metrics import (
+    ExpressionMetrics,
+    align,
+    confusions,
+    edit_distance,
+    format_confusions,
+    format_table,
+    length_bucket,
+)
 
 
 def test_edit_distance_known_values():
@@ -13,6 +24,41 @@ def test_edit_distance_known_values():
     assert edit_distance(["\\alpha", "+", "b"], ["\\beta", "+", "b"]) == 1
     a, b = "x ^ { 2 } + 1".split(), "x _ { 2 } 1".split()
     assert edit_distance(a, b) == edit_distance(b, a) == 2
+
+
+def test_align_pairs_the_edits_of_the_least_edit_path():
+    assert align("x ^ { 2 }".split(), "x { 2 }".split()) == [
+        ("x", "x"),
+        ("^", None),
+        ("{", "{"),
+        ("2", "2"),
+        ("}", "}"),
+    ]
+    assert align(["a", "+", "b"], ["a", "t", "b", "c"]) == [("a", "a"), ("+", "t"), ("b", "b"), (None, "c")]
+    assert align([], ["a"]) == [(None, "a")] and align(["a"], []) == [("a", None)] and align([], []) == []
+    rng = random.Random(0)
+    for _ in range(500):  # any pair: both sequences read back, and the unequal pairs are the edit distance
+        ref = [rng.choice("abxy") for _ in range(rng.randint(0, 8))]
+        pred = [rng.choice("abxy") for _ in range(rng.randint(0, 8))]
+        pairs = align(ref, pred)
+        assert [r for r, _ in pairs if r is not None] == ref
+        assert [p for _, p in pairs if p is not None] == pred
+        assert sum(r != p for r, p in pairs) == edit_distance(ref, pred)
+
+
+def test_confusions_count_each_edit_over_all_pairs():
+    pairs = [
+        ("a + b".split(), "a t b".split()),
+        ("1 + 2".split(), "1 t 2 3".split()),
+        ("x".split(), "x".split()),
+    ]
+    counts = confusions(pairs + [("a - b".split(), "a b".split())])
+    assert counts.pop(("-", None)) == 1  # the minus dropped, printed apart from a missing token
+    assert "1  - -> <none>" in format_confusions(Counter({("-", None): 1}))
+    assert counts == {("+", "t"): 2, (None, "3"): 1}
+    text = format_confusions(counts)
+    assert text.splitlines()[1].split() == ["2", "+", "->", "t"]
+    assert text.splitlines()[2].split() == ["1", "<none>", "->", "3"]
 
 
 # distances 0, 1, 2, 5 against references of 3, 5, 6 and 12 tokens

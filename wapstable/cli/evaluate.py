@@ -6,6 +6,7 @@
     wapstable-evaluate CKPT data=crohme data.root=DIR split=test ~data.test_sets.2016      # the 2014 set only
     wapstable-evaluate CKPT data=crohme data.root=DIR split=test +data.test_sets.2013=TestINKMLGT   # one more
     wapstable-evaluate CKPT data=wap_pkl data.root=/data/wap --out results.json
+    wapstable-evaluate CKPT data=crohme data.root=DIR split=test --predictions errors.jsonl   # what it got wrong
 
 The model and its vocabulary come from the checkpoint; data, decode and trainer.device/threads come from the
 checkpoint's config with the command line's Hydra-style overrides on top (a group such as `data=wap_pkl` replaces
@@ -14,7 +15,9 @@ model, keeps its settings, such as how ink becomes pixels). On a data set with n
 split=test prints one row per set, its ExpRate over all of the set's expressions (an unreadable one counts as
 wrong). With no decode.beam_size given, the beam is the checkpoint's
 decode.final_beam_size, so that the default reproduces the run's own test_exprate. The JSON goes next to the
-checkpoint as eval-<split>.json unless --out says otherwise. Exit code 2: a missing or bad checkpoint, override
+checkpoint as eval-<split>.json unless --out says otherwise. --predictions FILE writes every expression's
+reference, prediction and edit distance as JSON lines and prints the most frequent edits (which symbol was read as
+which, which was dropped or added), over a least-edit alignment of each pair. Exit code 2: a missing or bad checkpoint, override
 or data set, named in one sentence on stderr.
 """
 
@@ -34,7 +37,7 @@ from wapstable.config import CONF_DIR, checkpoint_config, register_configs
 from wapstable.data.batches import SPLITS, check_labels, load_splits
 from wapstable.errors import UserError
 from wapstable.eval.evaluation import combine_sets, evaluate_samples, load_model, score_test_sets
-from wapstable.eval.metrics import format_sets_table, format_table
+from wapstable.eval.metrics import confusions, format_confusions, format_sets_table, format_table
 
 log = logging.getLogger("wapstable")
 # Only these parts of the config mean anything here: the model is the checkpoint's.
@@ -88,12 +91,26 @@ def compose(saved: dict, overrides: list[str]):
     return cfg
 
 
+def write_lines(path: Path, records: list[dict]) -> None:
+    """`records` as JSON lines at `path`, written whole or not at all (a temporary file, then a rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tmp.replace(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="a checkpoint written by train.py (best.pt, last.pt)")
     p.add_argument("overrides", nargs="*", help="data=..., data.KEY=..., decode.KEY=..., split=valid|test")
     p.add_argument(
         "--out", help="where to write the JSON (default: eval-<split>.json next to the checkpoint)"
+    )
+    p.add_argument(
+        "--predictions",
+        metavar="FILE",
+        help="write each expression's reference, prediction and edit distance here (JSON lines) and print the "
+        "most frequent edits",
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
@@ -132,9 +149,19 @@ def main(argv: list[str] | None = None) -> int:
     log.info("evaluating %s on %d %s samples of data=%s, beam %d", ckpt, len(samples), split, d.name, beam)
     t0 = time.perf_counter()
 
+    predictions: list | None = [] if args.predictions else None
+
     def evaluate(group):
         return evaluate_samples(
-            model, vocab, group, beam, cfg.decode.max_len, d.pixel_budget, d.max_batch, device
+            model,
+            vocab,
+            group,
+            beam,
+            cfg.decode.max_len,
+            d.pixel_budget,
+            d.max_batch,
+            device,
+            predictions=predictions,
         )
 
     sets = splits.report["test_sets"] if split == "test" else {}
@@ -145,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
         result = evaluate(samples)
     seconds = time.perf_counter() - t0
     print(format_sets_table(scored) if sets else format_table(result))
+    if predictions is not None:
+        predictions.sort(key=lambda r: r["id"])
+        print()
+        print(format_confusions(confusions((r["truth"], r["prediction"]) for r in predictions)))
+        write_lines(Path(args.predictions), predictions)
+        log.info("wrote %d predictions to %s", len(predictions), args.predictions)
     out = Path(args.out) if args.out else ckpt.parent / f"eval-{split}.json"
     record = {
         **result,

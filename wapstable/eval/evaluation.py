@@ -17,7 +17,7 @@ from wapstable.data.batches import collate, make_batches
 from wapstable.data.sample import Sample
 from wapstable.data.vocab import Vocab
 from wapstable.errors import UserError
-from wapstable.eval.metrics import ExpressionMetrics
+from wapstable.eval.metrics import ExpressionMetrics, edit_distance
 from wapstable.model.decoding import beam_search, greedy_decode
 from wapstable.model.wap import build_model
 
@@ -66,11 +66,13 @@ def evaluate_samples(
     max_batch: int,
     device: torch.device | str,
     loss_fn: Callable | None = None,
+    predictions: list | None = None,
 ) -> dict:
     """Decode every sample in WAP-style batches and score it: ExpressionMetrics.compute()'s dict.
 
     `loss_fn(model, batch)`, when given, is the teacher-forced loss of a batch; its sample-weighted mean is added as
-    result["loss"]. The model is put in eval mode for the evaluation and back in its former mode after.
+    result["loss"]. `predictions`, when given, receives one dict per sample: its id, reference and predicted tokens
+    and their edit distance. The model is put in eval mode for the evaluation and back in its former mode after.
     """
     was_training = model.training
     model.eval()
@@ -82,7 +84,15 @@ def evaluate_samples(
             if loss_fn is not None:
                 total_loss += float(loss_fn(model, batch)) * len(idx)
             hyps = decode(model, batch.images, batch.image_mask, beam_size, max_len)
-            metrics.update([vocab.decode(h) for h in hyps], [samples[i].tokens for i in idx])
+            preds = [vocab.decode(h) for h in hyps]
+            refs = [samples[i].tokens for i in idx]
+            metrics.update(preds, refs)
+            if predictions is not None:
+                for i, pred, ref in zip(idx, preds, refs):
+                    edits = edit_distance(pred, ref)
+                    predictions.append(
+                        {"id": samples[i].id, "truth": list(ref), "prediction": pred, "errors": edits}
+                    )
     finally:
         model.train(was_training)
     result = metrics.compute()

@@ -1,6 +1,7 @@
 """Expression-level metrics as reported for CROHME: ExpRate, within-k edits, token error rate, by length."""
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 
 # Reference-length buckets (inclusive bounds; None = open); empty references count in the first bucket.
 LENGTH_BUCKETS: list[tuple[int, int | None]] = [(1, 5), (6, 10), (11, 20), (21, 40), (41, None)]
@@ -29,6 +30,50 @@ def edit_distance(a: Sequence, b: Sequence) -> int:
             cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (x != y))
         prev = cur
     return prev[-1]
+
+
+NONE = "<none>"  # a missing token in format_confusions ("-" is CROHME's minus)
+
+
+def align(ref: Sequence[str], pred: Sequence[str]) -> list[tuple[str | None, str | None]]:
+    """A least-edit alignment of a reference with a prediction, as (ref token, predicted token) pairs: equal or
+    substituted tokens pair up, a deleted reference token pairs with None, an inserted predicted one follows None.
+    The pairs that are not equal number edit_distance(ref, pred)."""
+    n, m = len(ref), len(pred)
+    d = [[i + j if i == 0 or j == 0 else 0 for j in range(m + 1)] for i in range(n + 1)]
+    for i in range(1, n + 1):
+        for j in range(1, m + 1):
+            d[i][j] = min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (ref[i - 1] != pred[j - 1]))
+    pairs: list[tuple[str | None, str | None]] = []
+    i, j = n, m
+    while i or j:
+        if i and j and d[i][j] == d[i - 1][j - 1] + (ref[i - 1] != pred[j - 1]):
+            pairs.append((ref[i - 1], pred[j - 1]))
+            i, j = i - 1, j - 1
+        elif i and d[i][j] == d[i - 1][j] + 1:
+            pairs.append((ref[i - 1], None))
+            i -= 1
+        else:
+            pairs.append((None, pred[j - 1]))
+            j -= 1
+    return pairs[::-1]
+
+
+def confusions(pairs: Iterable[tuple[Sequence[str], Sequence[str]]]) -> Counter:
+    """How often each edit occurs over (reference, prediction) pairs: Counter of (ref token, predicted token), None
+    standing for a missing token (a deletion has None predicted, an insertion None in the reference)."""
+    counts: Counter = Counter()
+    for ref, pred in pairs:
+        counts.update((r, p) for r, p in align(ref, pred) if r != p)
+    return counts
+
+
+def format_confusions(counts: Counter, top: int = 15) -> str:
+    """The `top` most frequent edits as lines `count  ref -> predicted` (a missing token written as <none>)."""
+    lines = [f"{'edits':>6}  reference -> predicted"]
+    for (r, p), k in counts.most_common(top):
+        lines.append(f"{k:>6}  {r or NONE} -> {p or NONE}")
+    return "\n".join(lines)
 
 
 class ExpressionMetrics:
