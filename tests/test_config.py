@@ -88,6 +88,10 @@ def test_experiment_presets(name):
             160,
         )
         assert cfg.pretrain.mix == 6000 and cfg.data.warp == 0
+        # no curriculum on CROHME after the pretraining, which keeps the rendered data's own (shortest labels first)
+        from wapstable.train.build import pretrain_data
+
+        assert cfg.data.curriculum_epochs == 0 and pretrain_data(cfg).curriculum_epochs == 1
         return
     # the papers' recipes: Adadelta lr 1.0, batch 8, global-norm clip 100, beam 10, no wall-clock limit
     assert cfg.data.name == "crohme" and cfg.data.max_batch == 8 and cfg.trainer.max_minutes == 0
