@@ -322,6 +322,7 @@ def test_sweep_overrides_parse_back_to_the_drawn_value():
         assert parsed == value and type(parsed) is type(value), value
 
 
+@pytest.mark.slow  # each job a fresh process under submitit: 20 s; the launcher's config composes in the quick tests
 def test_submitit_local_sweep_with_a_stopped_job(tmp_path, cache_dir, capsys):
     # Each job a subprocess under submitit; the inf_loss job exhausts its skip budget and stops (TrainingStopped).
     needs("hydra_submitit_launcher")
