@@ -106,6 +106,10 @@ def test_evaluate_writes_predictions_and_prints_the_frequent_edits(tiny_run, tmp
     assert printed and len(printed) == min(15, len(counts))
     top, top_count = counts.most_common(1)[0]
     assert printed[0].split() == [str(top_count), top[0] or "<none>", "->", top[1] or "<none>"]
+    # a folder is refused before anything is evaluated or written
+    with pytest.raises(evaluate.UserError, match="is a folder"):
+        evaluate.main([str(ckpt), "--predictions", str(tmp_path), "--out", str(tmp_path / "x.json")])
+    assert not (tmp_path / "x.json").exists()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -17,8 +17,8 @@ wrong). With no decode.beam_size given, the beam is the checkpoint's
 decode.final_beam_size, so that the default reproduces the run's own test_exprate. The JSON goes next to the
 checkpoint as eval-<split>.json unless --out says otherwise. --predictions FILE writes every expression's
 reference, prediction and edit distance as JSON lines and prints the most frequent edits (which symbol was read as
-which, which was dropped or added), over a least-edit alignment of each pair. Exit code 2: a missing or bad checkpoint, override
-or data set, named in one sentence on stderr.
+which, which was dropped or added), over a least-edit alignment of each pair. Exit code 2: a missing or bad
+checkpoint, override, data set or --predictions path, named in one sentence on stderr.
 """
 
 import argparse
@@ -93,10 +93,15 @@ def compose(saved: dict, overrides: list[str]):
 
 def write_lines(path: Path, records: list[dict]) -> None:
     """`records` as JSON lines at `path`, written whole or not at all (a temporary file, then a rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+        tmp.replace(path)
+    except OSError as e:
+        raise UserError(
+            f"cannot write --predictions {path} ({e.strerror}); give a file path that can be written"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         "most frequent edits",
     )
     args = p.parse_args(argv)
+    if args.predictions and Path(args.predictions).is_dir():
+        raise UserError(f"--predictions {args.predictions} is a folder; give the path of a file to write")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
 
     split = "test"
