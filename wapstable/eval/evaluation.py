@@ -17,7 +17,7 @@ from wapstable.data.batches import collate, make_batches
 from wapstable.data.sample import Sample
 from wapstable.data.vocab import Vocab
 from wapstable.errors import UserError
-from wapstable.eval.metrics import ExpressionMetrics, edit_distance
+from wapstable.eval.metrics import ExpressionMetrics
 from wapstable.model.decoding import beam_search, greedy_decode
 from wapstable.model.wap import build_model
 
@@ -86,10 +86,9 @@ def evaluate_samples(
             hyps = decode(model, batch.images, batch.image_mask, beam_size, max_len)
             preds = [vocab.decode(h) for h in hyps]
             refs = [samples[i].tokens for i in idx]
-            metrics.update(preds, refs)
+            distances = metrics.update(preds, refs)
             if predictions is not None:
-                for i, pred, ref in zip(idx, preds, refs):
-                    edits = edit_distance(pred, ref)
+                for i, pred, ref, edits in zip(idx, preds, refs, distances):
                     predictions.append(
                         {"id": samples[i].id, "truth": list(ref), "prediction": pred, "errors": edits}
                     )

@@ -90,12 +90,12 @@ class ExpressionMetrics:
         self.ref_tokens = 0
         self.buckets: dict[str, list[int]] = {}  # name -> [count, exact]
 
-    def update(self, preds: list[list[str]], refs: list[list[str]]) -> None:
-        """Add a batch of predictions and their references (same order, same length)."""
+    def update(self, preds: list[list[str]], refs: list[list[str]]) -> list[int]:
+        """Add a batch of predictions and their references (same order, same length); their edit distances."""
         if len(preds) != len(refs):
             raise ValueError(f"got {len(preds)} predictions for {len(refs)} references")
-        for pred, ref in zip(preds, refs):
-            d = edit_distance(pred, ref)
+        distances = [edit_distance(pred, ref) for pred, ref in zip(preds, refs)]
+        for ref, d in zip(refs, distances):
             self.count += 1
             self.exact += d == 0
             for k in self.within:
@@ -105,6 +105,7 @@ class ExpressionMetrics:
             b = self.buckets.setdefault(length_bucket(len(ref)), [0, 0])
             b[0] += 1
             b[1] += d == 0
+        return distances
 
     def compute(self) -> dict:
         """Percentages (0-100) over all updates; `by_length` lists only buckets that received samples."""
