@@ -94,6 +94,19 @@ def norm(s: str) -> str:
         (r"$ | x \parallel y | = | x y | $", "| x | | y | = | x y |"),
         (r"$ 0 \leq x \leq 2 \Pi $", "0 \\leq x \\leq 2 \\pi"),
         (r"$ABOVE$", "A B O V E"),  # the word only means a layout before a group
+        # one spelling per expression, as the ink shows it: grouping braces are invisible, and so is the order
+        # in which a base's two scripts were typed
+        (r"${v_0}^2$", "v _ { 0 } ^ { 2 }"),
+        (r"$\frac{{v_0}^2}{2a}$", "\\frac { v _ { 0 } ^ { 2 } } { 2 a }"),
+        (r"$2{k}{\pi}$", "2 k \\pi"),
+        (r"$\log{x}+{}y$", "\\log x + y"),
+        (r"${\sqrt{15}}$", "\\sqrt { 1 5 }"),
+        (r"$x^{{2}}$", "x ^ { 2 }"),  # an argument keeps its own braces only
+        (r"$x^2_1$", "x _ { 1 } ^ { 2 }"),
+        (r"$\int^{b}_{a} f$", "\\int _ { a } ^ { b } f"),
+        (r"$\sum^{n}_{i=1} {x_i}^2$", "\\sum _ { i = 1 } ^ { n } x _ { i } ^ { 2 }"),
+        (r"$x_1^2_3$", "x _ { 1 } ^ { 2 } _ { 3 }"),  # not TeX: left as written
+        (r"$ {x+1} ABOVE {\sqrt} BELOW {2} $", "\\frac { x + 1 } { 2 }"),
     ],
 )
 def test_normalize_crohme(truth, expected):

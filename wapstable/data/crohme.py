@@ -369,7 +369,8 @@ class FolderRead(NamedTuple):
 
 # bump whenever the reader, the normaliser or the rasteriser changes what a file gives
 # 2: each sample's symbol boxes (from the traceGroups) are cached beside its pixels
-CACHE_FORMAT = 2
+# 3: bare groups' braces dropped and a superscript put after its subscript by the normaliser
+CACHE_FORMAT = 3
 
 
 def _folder_key(folder: Path, files: list[Path], raster: Raster, redraw: Redraw | None = None) -> str:

@@ -207,17 +207,31 @@ class _Parser:
         return self.toks[self.pos] if self.pos < len(self.toks) else None
 
     def seq(self, stop: str | None) -> list[str]:
+        """Atoms up to `stop`, a bare group's braces dropped and a superscript before a subscript put after it."""
         atoms: list[list[str]] = []
+        closed = False  # whether the last thing read ended in a "}"
         while (t := self.peek()) is not None and t != stop:
             if t == "}":
-                if stop is None and atoms and atoms[-1][-1] == "}":
+                if stop is None and closed:
                     self.pos += 1  # a doubled closing brace after a group, `_ {x \to 1}}`: a typo, dropped
                     continue
                 raise self.error("an unmatched '}'")
             if t == "ABOVE":
                 atoms.append(self.above(atoms.pop() if atoms else None))
+                closed = False
                 continue
-            atoms.append(self.atom()[0])
+            tokens, braced = self.atom()
+            closed = tokens[-1] == "}"
+            if (
+                braced
+            ):  # a group that is no argument groups only: `{ v _ { 0 } } ^ { 2 }` is `v _ { 0 } ^ { 2 }`
+                tokens = tokens[1:-1]
+                if not tokens:
+                    continue
+            if tokens[0] == "_" and atoms and atoms[-1][0] == "^" and (len(atoms) < 2 or atoms[-2][0] != "_"):
+                atoms.insert(len(atoms) - 1, tokens)  # `x ^ { 2 } _ { 1 }` is `x _ { 1 } ^ { 2 }`
+                continue
+            atoms.append(tokens)
         return [t for a in atoms for t in a]
 
     def raw_group(self, owner: str) -> list[str]:
@@ -292,7 +306,9 @@ class _Parser:
 
 def normalize_crohme(tokens: list[str]) -> list[str]:
     """CROHME truth tokens in WAP's conventions: no `$`, `\\left`/`\\right` or spacing, one spelling per symbol,
-    and every argument of `^`, `_`, `\\frac`, `\\sqrt` braced (`x^2` -> `x ^ { 2 }`).
+    and every argument of `^`, `_`, `\\frac`, `\\sqrt` braced (`x^2` -> `x ^ { 2 }`). One spelling per expression
+    too, as the ink shows it: the braces of a group that is no argument are dropped (`{a} + b` -> `a + b`), and a
+    subscript comes before its base's superscript (`x^2_1` -> `x _ { 1 } ^ { 2 }`).
 
     Raises DataError for LaTeX that does not parse (unbalanced braces, a script without an argument).
     """
