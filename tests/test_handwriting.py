@@ -12,6 +12,7 @@ from wapstable.data import handwriting as hw
 from wapstable.data import synthetic as S
 from wapstable.data.crohme import Raster, _inked, held_out
 from wapstable.data.latex import CROHME_2014_SYMBOLS, DataError
+from wapstable.errors import UserError
 
 RASTER = Raster(height=160, line_width=2, symbol_size=24.0)
 
@@ -233,6 +234,61 @@ def test_jitter_and_distort_are_keys_of_the_cache_and_of_the_pixels(tmp_path):
     assert all(np.array_equal(x.image, y.image) for x, y in zip(still["train"], off["train"]))
 
 
+def _placement(boxes, base, script):
+    """A script's height as a share of its base's, the shift of its centre below the base's and its gap after the
+    base, both in base heights (as docs/handwriting.md measures real ink)."""
+    b, s = boxes[base], boxes[script]
+    h = b[3] - b[1]
+    return (s[3] - s[1]) / h, (s[1] + s[3] - b[1] - b[3]) / 2 / h, (s[0] - b[2]) / h
+
+
+def test_script_place_puts_scripts_where_writers_do():
+    """data.script_place=1: a subscript smaller, lower and further right, a superscript higher, what follows a
+    script moved with it; limits under a sum stay; 0 is mathtext's layout, the default's pixels."""
+    tokens = "x _ { 2 } + y ^ { 3 } - \\sum _ { i } b".split()
+    x, two, plus, y, three, total, i = 0, 3, 5, 6, 9, 12, 15
+
+    def draw(chance):
+        return S.render_handwritten(
+            tokens, "cm", 28, np.random.default_rng(1), RASTER, 0.0, script_place=chance
+        )
+
+    (img0, layout), (img1, placed) = draw(0.0), draw(1.0)
+    default, _ = S.render_handwritten(tokens, "cm", 28, np.random.default_rng(1), RASTER, 0.0)
+    assert np.array_equal(img0, default)
+    size0, down0, gap0 = _placement(layout, x, two)
+    size1, down1, gap1 = _placement(placed, x, two)
+    assert size1 < 0.85 * size0 and down1 > down0 + 0.08 and gap1 > gap0 + 0.1
+    _, up0, _ = _placement(layout, y, three)
+    size_up1, up1, _ = _placement(placed, y, three)
+    assert up1 < up0 - 0.08 and size_up1 == pytest.approx(_placement(layout, y, three)[0], rel=0.1)
+    assert placed[plus, 0] > placed[two, 2]  # the + after the subscript is still after it
+    # the limit under the sum keeps its place against the sum
+    assert np.allclose(layout[i] - layout[total], placed[i] - placed[total], atol=1.0)
+
+
+def test_script_place_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
+    """data.script_place draws another image exactly where a label has a script on a drawn base, under its own
+    cache entry; its default keeps the cache key of the configs before it."""
+    params, plain = _build_handwritten(tmp_path)
+    assert "script_place" not in params
+    p, other = _build_handwritten(tmp_path, "data.script_place=1")
+    assert p["script_place"] == 1.0 and len(list(tmp_path.rglob("splits.npz"))) == 2
+    count = 0
+    for a, b in zip(other["train"], plain["train"]):
+        assert a.tokens == b.tokens
+        changed = a.image.shape != b.image.shape or not np.array_equal(a.image, b.image)
+        assert changed == bool(hw._script_groups(a.tokens)), a.tokens
+        count += changed
+    assert 0 < count < len(plain["train"])  # both kinds occur
+
+
+def test_script_place_refuses_a_negative_chance():
+    cfg = compose_config(["data.style=handwritten", "data.script_place=-0.5"]).data
+    with pytest.raises(UserError, match=r"data.script_place=-0.5 must be >= 0"):
+        S._cache_params(cfg)
+
+
 def test_handwritten_splits_are_cached(tmp_path):
     cfg = compose_config(["debug=tiny", "data.style=handwritten", "data.symbols=crohme"]).data
     cfg.cache_dir = str(tmp_path)
@@ -311,6 +367,14 @@ def test_experiment_handwritten_tests_on_crohme_folders(tmp_path, cache_dir):
         ),
         (["data.style=handwritten", "data.allographs=2"], ["data.allographs=2.0 is a chance", "between 0"]),
         (["data.style=handwritten", "data.allographs=-1"], ["data.allographs=-1.0 must be >= 0"]),
+        (
+            ["data.style=handwritten", "data.script_place=1.5"],
+            ["data.script_place=1.5 is a chance", "between 0"],
+        ),
+        (
+            ["data.script_place=1"],
+            ["data.script_place=1.0 shapes handwritten glyphs", "data.style=handwritten"],
+        ),
     ],
 )
 def test_bad_style_values_are_refused(tmp_path, cache_dir, args, says):

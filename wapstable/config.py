@@ -131,6 +131,10 @@ class DataConfig:
     # handwritten, with data.augment: the chance that a symbol with other hand-written forms (a bare 1, a looped 2, an
     # open 4, an x of two arcs...: data/handwriting.py ALLOGRAPHS) is drawn in one of them instead of its font's (0..1)
     allographs: float = 0.0
+    # handwritten, with data.augment: the chance that a script is drawn where writers put it rather than where mathtext
+    # does (0..1): a subscript 0.75 times as large, lower and further right, a superscript higher (data/handwriting.py
+    # SCRIPT_MOVES, measured on the CROHME training files)
+    script_place: float = 0.0
     # A fresh random affine warp of each training image at every step, boxes moved with it (wapstable/data/warp.py);
     # its strength: 1 = up to 1.5 degrees of rotation, 0.15 of shear, 15 % of shrink, 2 px of shift. 0 = off.
     warp: float = 0.0

@@ -40,9 +40,9 @@ FORMAT_VERSION = 2
 # bump whenever data.style=handwritten draws other strokes for the same config (2: roots drawn in every font set)
 HANDWRITING_VERSION = 2
 SPLITS = ("train", "valid", "test")
-# data.jitter, data.distort and data.allographs at their defaults (config.DataConfig): a handwritten glyph as the
-# fonts have drawn it
-GLYPH_STRAYING = {"jitter": 1.0, "distort": 0.0, "allographs": 0.0}
+# data.jitter, data.distort, data.allographs and data.script_place at their defaults (config.DataConfig): a
+# handwritten glyph as the fonts have drawn it, where mathtext put it
+GLYPH_STRAYING = {"jitter": 1.0, "distort": 0.0, "allographs": 0.0, "script_place": 0.0}
 MARGIN = 4  # px of background kept around the ink
 FONTS = ("cm", "stix", "stixsans", "dejavuserif", "dejavusans")
 
@@ -777,6 +777,7 @@ def render_handwritten(
     bank=None,
     distort: float = 0.0,
     allographs: float = 0.0,
+    script_place: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """data.style=handwritten: the image of `tokens` drawn as pen strokes on mathtext's layout (font set `font`
     at `font_size`), rasterised like InkML by `raster` (wapstable.data.crohme.Raster), and its tokens' boxes
@@ -784,7 +785,8 @@ def render_handwritten(
     (wapstable.data.ink_bank: data.glyphs=crohme), each symbol the bank has is a real written sample of it.
     `jitter` scales every glyph's random scale, rotation, shift and wobble and the expression's slant (data.jitter;
     0 draws the layout exactly); `distort` > 0 also changes each glyph's shape (data.distort, hw.distort_glyph);
-    `allographs` is the chance that a symbol with other hand-written forms is drawn in one (data.allographs)."""
+    `allographs` is the chance that a symbol with other hand-written forms is drawn in one (data.allographs);
+    `script_place` the chance that a script is moved to where writers put it (data.script_place, hw.place_scripts)."""
     from wapstable.data import handwriting as hw
     from wapstable.data.crohme import rasterize_traces
 
@@ -810,6 +812,8 @@ def render_handwritten(
         k += 1
     if not drawn:
         raise ValueError(f"nothing to draw for {' '.join(tokens)!r}")
+    if script_place > 0 and matched is not None:
+        drawn = hw.place_scripts(tokens, drawn, rng, script_place, jitter)
     traces = [s for _, s in drawn]
     if jitter > 0:  # a slant shared by the whole expression, as a writer's
         y_mid = float(np.median(np.concatenate(traces)[:, 1]))
@@ -850,6 +854,7 @@ def _render_chunk(job: tuple) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]
         jitter,
         distort,
         allographs,
+        script_place,
     ) = job
     out, failures = [], box_failures
     unmatched = (
@@ -875,6 +880,7 @@ def _render_chunk(job: tuple) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]
                     bank=bank,
                     distort=distort if augment else 0.0,
                     allographs=allographs if augment else 0.0,
+                    script_place=script_place if augment else 0.0,
                 )
                 unmatched += bool(np.isnan(boxes).all())
                 out.append((image, boxes))
@@ -931,6 +937,7 @@ def _render_all(labels: dict[str, list[list[str]]], cfg, params: dict) -> dict[s
                     params.get("jitter", GLYPH_STRAYING["jitter"]),
                     params.get("distort", GLYPH_STRAYING["distort"]),
                     params.get("allographs", GLYPH_STRAYING["allographs"]),
+                    params.get("script_place", GLYPH_STRAYING["script_place"]),
                 )
             )
             owners.append(split)
@@ -1004,19 +1011,26 @@ def _check_glyphs(cfg) -> None:
 
 
 def _straying(cfg) -> dict[str, float]:
-    """data.jitter, data.distort and data.allographs where they are not at their defaults (GLYPH_STRAYING); a config
-    from before they existed has the defaults. A negative or NaN value is refused, and data.allographs over 1."""
+    """data.jitter, data.distort, data.allographs and data.script_place where they are not at their defaults
+    (GLYPH_STRAYING); a config from before they existed has the defaults. A negative or NaN value is refused, and
+    a chance (data.allographs, data.script_place) over 1."""
     values = {name: float(getattr(cfg, name, default)) for name, default in GLYPH_STRAYING.items()}
-    if not all(v >= 0 for v in values.values()):  # NaN too
-        raise UserError(
-            f"data.jitter={values['jitter']}, data.distort={values['distort']} and data.allographs="
-            f"{values['allographs']} must be >= 0 (data.jitter=1 is the usual jitter of each glyph, data.distort=0 "
-            "leaves its shape alone, data.allographs=0 draws every glyph as the fonts do)"
-        )
+    for name, v in values.items():
+        if not v >= 0:  # NaN too
+            raise UserError(
+                f"data.{name}={v} must be >= 0 (data.jitter=1 is the usual jitter of each glyph, data.distort=0 "
+                "leaves its shape alone, data.allographs=0 draws every glyph as the fonts do, data.script_place=0 "
+                "leaves every script where mathtext puts it)"
+            )
     if values["allographs"] > 1:
         raise UserError(
             f"data.allographs={values['allographs']} is a chance: set it between 0 (the fonts' glyphs only) and 1 "
             "(the other hand-written forms wherever a symbol has them)"
+        )
+    if values["script_place"] > 1:
+        raise UserError(
+            f"data.script_place={values['script_place']} is a chance: set it between 0 (every script where "
+            "mathtext puts it) and 1 (every script where writers put it)"
         )
     return {name: v for name, v in values.items() if v != GLYPH_STRAYING[name]}
 
