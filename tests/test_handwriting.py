@@ -253,7 +253,7 @@ def test_script_place_puts_scripts_where_writers_do():
             tokens, "cm", 28, np.random.default_rng(1), RASTER, 0.0, script_place=chance
         )
 
-    (img0, layout), (img1, placed) = draw(0.0), draw(1.0)
+    (img0, layout), (_, placed) = draw(0.0), draw(1.0)
     default, _ = S.render_handwritten(tokens, "cm", 28, np.random.default_rng(1), RASTER, 0.0)
     assert np.array_equal(img0, default)
     size0, down0, gap0 = _placement(layout, x, two)
