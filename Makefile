@@ -20,7 +20,8 @@ train: $(VENV)/.installed
 	$(PY) train.py $(ARGS)
 
 # Every feature, in at most 5 minutes on 2 cores; test-all adds the long matrices (tests marked slow: rollback at
-# every step, fault x clip, the non-editable install, kill-anywhere, a resumed DDP run, the submitit sweep).
+# every step, fault x clip, the non-editable install, kill-anywhere, a resumed DDP run, the submitit sweep, a sweep
+# with a failed job, the pretraining inside the clock).
 # Two test processes at once (pytest-xdist), each test file on one of them: ARGS="-n 0" runs them in this one.
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not slow" -n 2 --dist loadfile $(ARGS)

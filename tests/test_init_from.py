@@ -93,6 +93,7 @@ def test_pretraining_then_crohme_in_one_command(tmp_path, cache_dir):
     assert bad.returncode == 2 and "pretrain.eval_every=9" in bad.stdout + bad.stderr
 
 
+@pytest.mark.slow
 def test_pretrain_in_budget_takes_the_pretraining_s_time_out_of_max_minutes(tmp_path, cache_dir):
     """pretrain.in_budget: trainer.max_minutes bounds the pretraining and the run together; the run's checkpoints keep
     the reduced budget, so a resumed run does not get the pretraining's minutes again."""

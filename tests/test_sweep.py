@@ -88,6 +88,7 @@ def test_grid_sweep_runs_every_combination_and_is_summarised(tmp_path, cache_dir
     assert (sweep / "summary.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_a_failed_job_is_a_failed_row_and_the_sweep_goes_on(tmp_path, cache_dir, capsys):
     # Through joblib, two jobs at once; clip.max_norm=-1 fails its job with a UserError, the other still runs.
     # trainer.threads=auto shares the cores between the two: each job gets half of them.
