@@ -411,11 +411,8 @@ def slant(strokes: list[np.ndarray], shear: float, y_mid: float) -> list[np.ndar
 # heights: a subscript is 0.75 times the size mathtext gives it, 0.14 lower and 0.19 further right; a superscript is
 # as large and 0.14 higher.
 SCRIPT_MOVES = {"_": (0.75, 0.14, 0.19), "^": (1.0, -0.14, 0.0)}  # (scale, shift down, shift right)
-LIMITS_BELOW = {
-    "\\sum",
-    "\\prod",
-    "\\lim",
-}  # bases whose scripts mathtext puts under and over them: left alone
+# bases whose scripts mathtext puts under and over them: left alone
+LIMITS_BELOW = {"\\sum", "\\prod", "\\lim"}
 
 
 def _closing(tokens: list[str], i: int) -> int:
@@ -472,7 +469,7 @@ def place_scripts(
         base_ink = [s for o, s in drawn if o == base]
         if not own or not base_ink:
             continue
-        bx0, by0, bx1, by1 = _ink_extent(base_ink)
+        _, by0, _, by1 = _ink_extent(base_ink)
         x0, y0, x1, y1 = _ink_extent([drawn[k][1] for k in own])
         h = by1 - by0
         if h <= 0:

@@ -218,7 +218,7 @@ class _Parser:
                 raise self.error("an unmatched '}'")
             if t == "ABOVE":
                 atoms.append(self.above(atoms.pop() if atoms else None))
-                closed = False
+                closed = atoms[-1][-1] == "}"
                 continue
             tokens, braced = self.atom()
             closed = tokens[-1] == "}"
