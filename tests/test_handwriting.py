@@ -194,22 +194,31 @@ def _build_handwritten(tmp_path, *extra):
     return S._cache_params(cfg), S.build_splits(cfg)
 
 
-def test_allographs_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
-    """data.allographs draws another image exactly where a label holds a symbol with other forms, under its own
-    cache entry; its default keeps the cache key of the configs before it."""
+def _changes_exactly_where(tmp_path, key: str, touches) -> None:
+    """data.KEY=1 draws another image exactly for the training labels `touches` says it reaches, under its own cache
+    entry; its default keeps the cache key of the configs before it."""
     params, plain = _build_handwritten(tmp_path)
-    assert "allographs" not in params
-    p, other = _build_handwritten(tmp_path, "data.allographs=1")
-    assert p["allographs"] == 1.0 and len(list(tmp_path.rglob("splits.npz"))) == 2
-    names = ("\\sin", "\\cos", "\\tan", "\\log", "\\lim")  # drawn as their letters
+    assert key not in params
+    p, other = _build_handwritten(tmp_path, f"data.{key}=1")
+    assert p[key] == 1.0 and len(list(tmp_path.rglob("splits.npz"))) == 2
     count = 0
     for x, y in zip(other["train"], plain["train"]):
         assert x.tokens == y.tokens
-        glyphs = set(x.tokens) | {ch for t in x.tokens if t in names for ch in t[1:]}
         changed = x.image.shape != y.image.shape or not np.array_equal(x.image, y.image)
-        assert changed == bool(glyphs & set(hw.ALLOGRAPHS)), x.tokens
+        assert changed == touches(x.tokens), x.tokens
         count += changed
     assert 0 < count < len(plain["train"])  # both kinds occur, so the test tells them apart
+
+
+def test_allographs_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
+    """data.allographs draws another image exactly where a label holds a symbol with other forms."""
+    names = ("\\sin", "\\cos", "\\tan", "\\log", "\\lim")  # drawn as their letters
+
+    def has_other_forms(tokens):
+        glyphs = set(tokens) | {ch for t in tokens if t in names for ch in t[1:]}
+        return bool(glyphs & set(hw.ALLOGRAPHS))
+
+    _changes_exactly_where(tmp_path, "allographs", has_other_forms)
 
 
 def test_jitter_and_distort_are_keys_of_the_cache_and_of_the_pixels(tmp_path):
@@ -259,28 +268,17 @@ def test_script_place_puts_scripts_where_writers_do():
     size0, down0, gap0 = _placement(layout, x, two)
     size1, down1, gap1 = _placement(placed, x, two)
     assert size1 < 0.85 * size0 and down1 > down0 + 0.08 and gap1 > gap0 + 0.1
-    _, up0, _ = _placement(layout, y, three)
+    size_up0, up0, _ = _placement(layout, y, three)
     size_up1, up1, _ = _placement(placed, y, three)
-    assert up1 < up0 - 0.08 and size_up1 == pytest.approx(_placement(layout, y, three)[0], rel=0.1)
+    assert up1 < up0 - 0.08 and size_up1 == pytest.approx(size_up0, rel=0.1)
     assert placed[plus, 0] > placed[two, 2]  # the + after the subscript is still after it
     # the limit under the sum keeps its place against the sum
     assert np.allclose(layout[i] - layout[total], placed[i] - placed[total], atol=1.0)
 
 
 def test_script_place_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
-    """data.script_place draws another image exactly where a label has a script on a drawn base, under its own
-    cache entry; its default keeps the cache key of the configs before it."""
-    params, plain = _build_handwritten(tmp_path)
-    assert "script_place" not in params
-    p, other = _build_handwritten(tmp_path, "data.script_place=1")
-    assert p["script_place"] == 1.0 and len(list(tmp_path.rglob("splits.npz"))) == 2
-    count = 0
-    for a, b in zip(other["train"], plain["train"]):
-        assert a.tokens == b.tokens
-        changed = a.image.shape != b.image.shape or not np.array_equal(a.image, b.image)
-        assert changed == bool(hw._script_groups(a.tokens)), a.tokens
-        count += changed
-    assert 0 < count < len(plain["train"])  # both kinds occur
+    """data.script_place draws another image exactly where a label has a script on a drawn base."""
+    _changes_exactly_where(tmp_path, "script_place", lambda tokens: bool(hw._script_groups(tokens)))
 
 
 def test_script_place_refuses_a_negative_chance():
