@@ -287,6 +287,46 @@ def test_script_place_refuses_a_negative_chance():
         S._cache_params(cfg)
 
 
+def test_font_mix_draws_glyphs_of_one_expression_in_several_fonts(monkeypatch):
+    """data.font_mix: 0 draws every glyph of an expression in its one font, the default's pixels bit for bit; 1
+    draws each glyph in a font of its own, so that expressions mix fonts; between, some glyphs only."""
+    tokens = "a b + c d = e f g h k m".split()
+    default, _ = S.render_handwritten(tokens, "cm", 28, np.random.default_rng(5), RASTER)
+    still, _ = S.render_handwritten(tokens, "cm", 28, np.random.default_rng(5), RASTER, font_mix=0.0)
+    assert np.array_equal(default, still)
+    fonts: list[str] = []
+    drawn = hw.draw_glyph
+
+    def record(c, box, size, text_font, *args):
+        fonts.append(text_font)
+        return drawn(c, box, size, text_font, *args)
+
+    monkeypatch.setattr(hw, "draw_glyph", record)
+
+    def mixed(chance, n=30):
+        counts = []
+        for seed in range(n):
+            fonts.clear()
+            S.render_handwritten(tokens, "cm", 28, np.random.default_rng(seed), RASTER, font_mix=chance)
+            assert set(fonts) <= set(hw.TEXT_FONTS)
+            counts.append(len(set(fonts)))
+        return counts
+
+    assert set(mixed(0.0)) == {1}  # one font per expression
+    assert min(mixed(1.0)) >= 2  # 12 glyphs each in a font of its own: never all in one
+    assert sum(c > 1 for c in mixed(0.1, 60)) > 10  # some expressions mix at a low chance
+
+
+def test_font_mix_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
+    """data.font_mix draws other images under its own cache entry; its default keeps the cache key as it was."""
+    params, plain = _build_handwritten(tmp_path)
+    assert "font_mix" not in params
+    p, other = _build_handwritten(tmp_path, "data.font_mix=1")
+    assert p["font_mix"] == 1.0 and len(list(tmp_path.rglob("splits.npz"))) == 2
+    assert [s.tokens for s in other["train"]] == [s.tokens for s in plain["train"]]
+    assert any(not np.array_equal(x.image, y.image) for x, y in zip(other["train"], plain["train"]))
+
+
 def test_handwritten_splits_are_cached(tmp_path):
     cfg = compose_config(["debug=tiny", "data.style=handwritten", "data.symbols=crohme"]).data
     cfg.cache_dir = str(tmp_path)
@@ -373,6 +413,8 @@ def test_experiment_handwritten_tests_on_crohme_folders(tmp_path, cache_dir):
             ["data.script_place=1"],
             ["data.script_place=1.0 shapes handwritten glyphs", "data.style=handwritten"],
         ),
+        (["data.style=handwritten", "data.font_mix=2"], ["data.font_mix=2.0 is a chance", "between 0"]),
+        (["data.font_mix=0.5"], ["data.font_mix=0.5 shapes handwritten glyphs", "data.style=handwritten"]),
     ],
 )
 def test_bad_style_values_are_refused(tmp_path, cache_dir, args, says):

@@ -135,6 +135,9 @@ class DataConfig:
     # does (0..1): a subscript 0.75 times as large, lower and further right, a superscript higher (data/handwriting.py
     # SCRIPT_MOVES, measured on the CROHME training files)
     script_place: float = 0.0
+    # handwritten, with data.augment: the chance that a glyph is drawn in a stroke font drawn anew for it (by the
+    # fonts' chances) rather than in its expression's one font, so that one expression mixes hands' letter shapes (0..1)
+    font_mix: float = 0.0
     # A fresh random affine warp of each training image at every step, boxes moved with it (wapstable/data/warp.py);
     # its strength: 1 = up to 1.5 degrees of rotation, 0.15 of shear, 15 % of shrink, 2 px of shift. 0 = off.
     warp: float = 0.0

@@ -40,9 +40,9 @@ FORMAT_VERSION = 2
 # bump whenever data.style=handwritten draws other strokes for the same config (2: roots drawn in every font set)
 HANDWRITING_VERSION = 2
 SPLITS = ("train", "valid", "test")
-# data.jitter, data.distort, data.allographs and data.script_place at their defaults (config.DataConfig): a
-# handwritten glyph as the fonts have drawn it, where mathtext put it
-GLYPH_STRAYING = {"jitter": 1.0, "distort": 0.0, "allographs": 0.0, "script_place": 0.0}
+# data.jitter, data.distort, data.allographs, data.script_place and data.font_mix at their defaults
+# (config.DataConfig): a handwritten glyph as its expression's font has drawn it, where mathtext put it
+GLYPH_STRAYING = {"jitter": 1.0, "distort": 0.0, "allographs": 0.0, "script_place": 0.0, "font_mix": 0.0}
 MARGIN = 4  # px of background kept around the ink
 FONTS = ("cm", "stix", "stixsans", "dejavuserif", "dejavusans")
 
@@ -778,6 +778,7 @@ def render_handwritten(
     distort: float = 0.0,
     allographs: float = 0.0,
     script_place: float = 0.0,
+    font_mix: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """data.style=handwritten: the image of `tokens` drawn as pen strokes on mathtext's layout (font set `font`
     at `font_size`), rasterised like InkML by `raster` (wapstable.data.crohme.Raster), and its tokens' boxes
@@ -786,7 +787,8 @@ def render_handwritten(
     `jitter` scales every glyph's random scale, rotation, shift and wobble and the expression's slant (data.jitter;
     0 draws the layout exactly); `distort` > 0 also changes each glyph's shape (data.distort, hw.distort_glyph);
     `allographs` is the chance that a symbol with other hand-written forms is drawn in one (data.allographs);
-    `script_place` the chance that a script is moved to where writers put it (data.script_place, hw.place_scripts)."""
+    `script_place` the chance that a script is moved to where writers put it (data.script_place, hw.place_scripts);
+    `font_mix` the chance that a glyph is drawn in a stroke font drawn for it alone (data.font_mix)."""
     from wapstable.data import handwriting as hw
     from wapstable.data.crohme import rasterize_traces
 
@@ -807,7 +809,10 @@ def render_handwritten(
         elif kind == "r":
             strokes = hw.draw_rule(box, rng, jitter, font_size, bank)
         else:
-            strokes = hw.draw_glyph(c, box, font_size, text_font, rng, jitter, bank, distort, allographs)
+            glyph_font = text_font
+            if font_mix > 0 and rng.random() < font_mix:  # no draw at 0: the images stay bit for bit
+                glyph_font = hw.TEXT_FONTS[int(rng.choice(len(hw.TEXT_FONTS), p=hw.TEXT_FONT_WEIGHTS))]
+            strokes = hw.draw_glyph(c, box, font_size, glyph_font, rng, jitter, bank, distort, allographs)
         drawn += [(owners[k], s) for s in strokes]
         k += 1
     if not drawn:
@@ -855,6 +860,7 @@ def _render_chunk(job: tuple) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]
         distort,
         allographs,
         script_place,
+        font_mix,
     ) = job
     out, failures = [], box_failures
     unmatched = (
@@ -881,6 +887,7 @@ def _render_chunk(job: tuple) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]
                     distort=distort if augment else 0.0,
                     allographs=allographs if augment else 0.0,
                     script_place=script_place if augment else 0.0,
+                    font_mix=font_mix if augment else 0.0,
                 )
                 unmatched += bool(np.isnan(boxes).all())
                 out.append((image, boxes))
@@ -938,6 +945,7 @@ def _render_all(labels: dict[str, list[list[str]]], cfg, params: dict) -> dict[s
                     params.get("distort", GLYPH_STRAYING["distort"]),
                     params.get("allographs", GLYPH_STRAYING["allographs"]),
                     params.get("script_place", GLYPH_STRAYING["script_place"]),
+                    params.get("font_mix", GLYPH_STRAYING["font_mix"]),
                 )
             )
             owners.append(split)
@@ -1011,16 +1019,16 @@ def _check_glyphs(cfg) -> None:
 
 
 def _straying(cfg) -> dict[str, float]:
-    """data.jitter, data.distort, data.allographs and data.script_place where they are not at their defaults
-    (GLYPH_STRAYING); a config from before they existed has the defaults. A negative or NaN value is refused, and
-    a chance (data.allographs, data.script_place) over 1."""
+    """data.jitter, data.distort, data.allographs, data.script_place and data.font_mix where they are not at their
+    defaults (GLYPH_STRAYING); a config from before they existed has the defaults. A negative or NaN value is
+    refused, and a chance (data.allographs, data.script_place, data.font_mix) over 1."""
     values = {name: float(getattr(cfg, name, default)) for name, default in GLYPH_STRAYING.items()}
     for name, v in values.items():
         if not v >= 0:  # NaN too
             raise UserError(
                 f"data.{name}={v} must be >= 0 (data.jitter=1 is the usual jitter of each glyph, data.distort=0 "
                 "leaves its shape alone, data.allographs=0 draws every glyph as the fonts do, data.script_place=0 "
-                "leaves every script where mathtext puts it)"
+                "leaves every script where mathtext puts it, data.font_mix=0 draws an expression in one font)"
             )
     if values["allographs"] > 1:
         raise UserError(
@@ -1031,6 +1039,11 @@ def _straying(cfg) -> dict[str, float]:
         raise UserError(
             f"data.script_place={values['script_place']} is a chance: set it between 0 (every script where "
             "mathtext puts it) and 1 (every script where writers put it)"
+        )
+    if values["font_mix"] > 1:
+        raise UserError(
+            f"data.font_mix={values['font_mix']} is a chance: set it between 0 (each expression in one stroke "
+            "font) and 1 (a stroke font drawn for every glyph)"
         )
     return {name: v for name, v in values.items() if v != GLYPH_STRAYING[name]}
 
