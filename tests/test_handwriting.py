@@ -327,6 +327,50 @@ def test_font_mix_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
     assert any(not np.array_equal(x.image, y.image) for x, y in zip(other["train"], plain["train"]))
 
 
+def _gaps(tokens, boxes, pairs):
+    return np.array([boxes[j, 0] - boxes[i, 2] for i, j in pairs])
+
+
+def test_spacing_sets_symbols_apart_as_writers_do():
+    """data.spacing=1 without jitter: every gap between neighbouring symbols grows by SYMBOL_GAP letter heights;
+    a fraction's bar still spans its numerator and denominator; a radical still covers its argument; 0 draws the
+    default's pixels."""
+    tokens = "a + b = \\frac { c d } { e } - \\sqrt { x y } k".split()
+    a, plus, b, eq, frac, c, d, e, minus, sqrt, x, y, k = 0, 1, 2, 3, 4, 6, 7, 10, 12, 13, 15, 16, 18
+
+    def draw(amount):
+        return S.render_handwritten(tokens, "cm", 28, np.random.default_rng(2), RASTER, 0.0, spacing=amount)
+
+    (img0, tight), (img1, apart) = draw(0.0), draw(1.0)
+    default, _ = S.render_handwritten(tokens, "cm", 28, np.random.default_rng(2), RASTER, 0.0)
+    assert np.array_equal(img0, default)
+    assert img1.shape[1] > img0.shape[1] and img1.shape[0] == img0.shape[0]
+    h = np.median([tight[i, 3] - tight[i, 1] for i in (a, b, c, d, e, x, y, k)])
+    pairs = [(a, plus), (plus, b), (b, eq), (c, d), (x, y)]
+    grown = _gaps(tokens, apart, pairs) - _gaps(tokens, tight, pairs)
+    assert grown == pytest.approx(np.full(len(pairs), hw.SYMBOL_GAP * h), rel=0.15)
+    for boxes in (tight, apart):  # the bar under both lines, the radical over its argument
+        assert boxes[frac, 0] <= min(boxes[c, 0], boxes[e, 0]) + 1
+        assert boxes[frac, 2] >= max(boxes[d, 2], boxes[e, 2]) - 1
+        assert boxes[sqrt, 0] < boxes[x, 0] and boxes[sqrt, 2] >= boxes[y, 2] - 1
+    assert apart[minus, 0] > apart[frac, 2]  # what follows the fraction is still after it
+
+
+def test_spacing_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
+    """data.spacing draws wider images of the same labels under its own cache entry; its default keeps the key."""
+    params, plain = _build_handwritten(tmp_path)
+    assert "spacing" not in params
+    p, other = _build_handwritten(tmp_path, "data.spacing=1")
+    assert p["spacing"] == 1.0 and len(list(tmp_path.rglob("splits.npz"))) == 2
+    assert [s.tokens for s in other["train"]] == [s.tokens for s in plain["train"]]
+    wider = [
+        x.image.shape[1] > y.image.shape[1]
+        for x, y in zip(other["train"], plain["train"])
+        if len(x.tokens) > 3
+    ]
+    assert wider and np.mean(wider) > 0.7
+
+
 def test_handwritten_splits_are_cached(tmp_path):
     cfg = compose_config(["debug=tiny", "data.style=handwritten", "data.symbols=crohme"]).data
     cfg.cache_dir = str(tmp_path)
@@ -415,6 +459,8 @@ def test_experiment_handwritten_tests_on_crohme_folders(tmp_path, cache_dir):
         ),
         (["data.style=handwritten", "data.font_mix=2"], ["data.font_mix=2.0 is a chance", "between 0"]),
         (["data.font_mix=0.5"], ["data.font_mix=0.5 shapes handwritten glyphs", "data.style=handwritten"]),
+        (["data.style=handwritten", "data.spacing=-1"], ["data.spacing=-1.0 must be >= 0"]),
+        (["data.spacing=1"], ["data.spacing=1.0 shapes handwritten glyphs", "data.style=handwritten"]),
     ],
 )
 def test_bad_style_values_are_refused(tmp_path, cache_dir, args, says):

@@ -138,6 +138,9 @@ class DataConfig:
     # handwritten, with data.augment: the chance that a glyph is drawn in a stroke font drawn anew for it (by the
     # fonts' chances) rather than in its expression's one font, so that one expression mixes hands' letter shapes (0..1)
     font_mix: float = 0.0
+    # handwritten, with data.augment: how far apart neighbouring symbols are set beyond mathtext's spacing, in the
+    # gap writers add (1: 0.2 of a letter's height on average, measured on CROHME ink; data/handwriting.py SYMBOL_GAP)
+    spacing: float = 0.0
     # A fresh random affine warp of each training image at every step, boxes moved with it (wapstable/data/warp.py);
     # its strength: 1 = up to 1.5 degrees of rotation, 0.15 of shear, 15 % of shrink, 2 px of shift. 0 = off.
     warp: float = 0.0

@@ -40,9 +40,16 @@ FORMAT_VERSION = 2
 # bump whenever data.style=handwritten draws other strokes for the same config (2: roots drawn in every font set)
 HANDWRITING_VERSION = 2
 SPLITS = ("train", "valid", "test")
-# data.jitter, data.distort, data.allographs, data.script_place and data.font_mix at their defaults
+# data.jitter, data.distort, data.allographs, data.script_place, data.font_mix and data.spacing at their defaults
 # (config.DataConfig): a handwritten glyph as its expression's font has drawn it, where mathtext put it
-GLYPH_STRAYING = {"jitter": 1.0, "distort": 0.0, "allographs": 0.0, "script_place": 0.0, "font_mix": 0.0}
+GLYPH_STRAYING = {
+    "jitter": 1.0,
+    "distort": 0.0,
+    "allographs": 0.0,
+    "script_place": 0.0,
+    "font_mix": 0.0,
+    "spacing": 0.0,
+}
 MARGIN = 4  # px of background kept around the ink
 FONTS = ("cm", "stix", "stixsans", "dejavuserif", "dejavusans")
 
@@ -779,6 +786,7 @@ def render_handwritten(
     allographs: float = 0.0,
     script_place: float = 0.0,
     font_mix: float = 0.0,
+    spacing: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """data.style=handwritten: the image of `tokens` drawn as pen strokes on mathtext's layout (font set `font`
     at `font_size`), rasterised like InkML by `raster` (wapstable.data.crohme.Raster), and its tokens' boxes
@@ -788,7 +796,8 @@ def render_handwritten(
     0 draws the layout exactly); `distort` > 0 also changes each glyph's shape (data.distort, hw.distort_glyph);
     `allographs` is the chance that a symbol with other hand-written forms is drawn in one (data.allographs);
     `script_place` the chance that a script is moved to where writers put it (data.script_place, hw.place_scripts);
-    `font_mix` the chance that a glyph is drawn in a stroke font drawn for it alone (data.font_mix)."""
+    `font_mix` the chance that a glyph is drawn in a stroke font drawn for it alone (data.font_mix); `spacing` how
+    far apart the symbols are set beyond mathtext's spacing, as writers set them (data.spacing, hw.spread_symbols)."""
     from wapstable.data import handwriting as hw
     from wapstable.data.crohme import rasterize_traces
 
@@ -819,6 +828,8 @@ def render_handwritten(
         raise ValueError(f"nothing to draw for {' '.join(tokens)!r}")
     if script_place > 0 and matched is not None:
         drawn = hw.place_scripts(tokens, drawn, rng, script_place, jitter)
+    if spacing > 0 and matched is not None:
+        drawn = hw.spread_symbols(tokens, drawn, rng, spacing, jitter)
     traces = [s for _, s in drawn]
     if jitter > 0:  # a slant shared by the whole expression, as a writer's
         y_mid = float(np.median(np.concatenate(traces)[:, 1]))
@@ -861,6 +872,7 @@ def _render_chunk(job: tuple) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]
         allographs,
         script_place,
         font_mix,
+        spacing,
     ) = job
     out, failures = [], box_failures
     unmatched = (
@@ -888,6 +900,7 @@ def _render_chunk(job: tuple) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]
                     allographs=allographs if augment else 0.0,
                     script_place=script_place if augment else 0.0,
                     font_mix=font_mix if augment else 0.0,
+                    spacing=spacing if augment else 0.0,
                 )
                 unmatched += bool(np.isnan(boxes).all())
                 out.append((image, boxes))
@@ -946,6 +959,7 @@ def _render_all(labels: dict[str, list[list[str]]], cfg, params: dict) -> dict[s
                     params.get("allographs", GLYPH_STRAYING["allographs"]),
                     params.get("script_place", GLYPH_STRAYING["script_place"]),
                     params.get("font_mix", GLYPH_STRAYING["font_mix"]),
+                    params.get("spacing", GLYPH_STRAYING["spacing"]),
                 )
             )
             owners.append(split)
@@ -1019,8 +1033,8 @@ def _check_glyphs(cfg) -> None:
 
 
 def _straying(cfg) -> dict[str, float]:
-    """data.jitter, data.distort, data.allographs, data.script_place and data.font_mix where they are not at their
-    defaults (GLYPH_STRAYING); a config from before they existed has the defaults. A negative or NaN value is
+    """data.jitter, data.distort, data.allographs, data.script_place, data.font_mix and data.spacing where they are not
+    at their defaults (GLYPH_STRAYING); a config from before they existed has the defaults. A negative or NaN value is
     refused, and a chance (data.allographs, data.script_place, data.font_mix) over 1."""
     values = {name: float(getattr(cfg, name, default)) for name, default in GLYPH_STRAYING.items()}
     for name, v in values.items():
@@ -1028,7 +1042,8 @@ def _straying(cfg) -> dict[str, float]:
             raise UserError(
                 f"data.{name}={v} must be >= 0 (data.jitter=1 is the usual jitter of each glyph, data.distort=0 "
                 "leaves its shape alone, data.allographs=0 draws every glyph as the fonts do, data.script_place=0 "
-                "leaves every script where mathtext puts it, data.font_mix=0 draws an expression in one font)"
+                "leaves every script where mathtext puts it, data.font_mix=0 draws an expression in one font, "
+                "data.spacing=0 keeps mathtext's spacing)"
             )
     if values["allographs"] > 1:
         raise UserError(
