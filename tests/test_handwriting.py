@@ -333,8 +333,8 @@ def _gaps(tokens, boxes, pairs):
 
 def test_spacing_sets_symbols_apart_as_writers_do():
     """data.spacing=1 without jitter: every gap between neighbouring symbols grows by SYMBOL_GAP letter heights;
-    a fraction's bar still spans its numerator and denominator; a radical still covers its argument; 0 draws the
-    default's pixels."""
+    a fraction opens by FRACTION_GAPS and its bar still spans its numerator and denominator; a radical still covers
+    its argument; 0 draws the default's pixels."""
     tokens = "a + b = \\frac { c d } { e } - \\sqrt { x y } k".split()
     a, plus, b, eq, frac, c, d, e, minus, sqrt, x, y, k = 0, 1, 2, 3, 4, 6, 7, 10, 12, 13, 15, 16, 18
 
@@ -344,7 +344,7 @@ def test_spacing_sets_symbols_apart_as_writers_do():
     (img0, tight), (img1, apart) = draw(0.0), draw(1.0)
     default, _ = S.render_handwritten(tokens, "cm", 28, np.random.default_rng(2), RASTER, 0.0)
     assert np.array_equal(img0, default)
-    assert img1.shape[1] > img0.shape[1] and img1.shape[0] == img0.shape[0]
+    assert img1.shape[1] > img0.shape[1] and img1.shape[0] > img0.shape[0]  # wider, and the fraction taller
     h = np.median([tight[i, 3] - tight[i, 1] for i in (a, b, c, d, e, x, y, k)])
     pairs = [(a, plus), (plus, b), (b, eq), (c, d), (x, y)]
     grown = _gaps(tokens, apart, pairs) - _gaps(tokens, tight, pairs)
@@ -354,6 +354,14 @@ def test_spacing_sets_symbols_apart_as_writers_do():
         assert boxes[frac, 2] >= max(boxes[d, 2], boxes[e, 2]) - 1
         assert boxes[sqrt, 0] < boxes[x, 0] and boxes[sqrt, 2] >= boxes[y, 2] - 1
     assert apart[minus, 0] > apart[frac, 2]  # what follows the fraction is still after it
+    # the fraction opened: its numerator higher above the bar, its denominator lower, the bar longer on both sides
+    up, down, left, right = (g * h for g in hw.FRACTION_GAPS)
+    num0, num1 = tight[frac, 1] - tight[(c, d), 3].max(), apart[frac, 1] - apart[(c, d), 3].max()
+    den0, den1 = tight[e, 1] - tight[frac, 3], apart[e, 1] - apart[frac, 3]
+    assert num1 - num0 == pytest.approx(up, rel=0.15) and den1 - den0 == pytest.approx(down, rel=0.15)
+    reach0 = tight[c, 0] - tight[frac, 0], tight[frac, 2] - tight[d, 2]
+    reach1 = apart[c, 0] - apart[frac, 0], apart[frac, 2] - apart[d, 2]
+    assert reach1[0] - reach0[0] > 0.8 * left and reach1[1] - reach0[1] > 0.8 * right
 
 
 def test_spacing_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
