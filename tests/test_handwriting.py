@@ -637,3 +637,49 @@ def test_pretrain_mix_puts_rendered_expressions_into_the_real_training_split(tmp
         proc = run_train([*args, *bad], tmp_path / "bad", cache_dir, check=False)
         assert proc.returncode == 2 and says in proc.stderr + proc.stdout, (bad, proc.stderr[-500:])
         assert not (tmp_path / "bad" / "pretrain").exists()  # refused before the pretraining wrote anything
+
+
+# "a + \frac{b}{c}" in ink: a, +, then a bar with b above and c below it, each a traceGroup naming its MathML symbol
+LAYOUT_INKML = """<ink xmlns="http://www.w3.org/2003/InkML">
+<annotation type="truth">$a+\\frac{b}{c}$</annotation>
+<annotationXML type="truth" encoding="Content-MathML">
+<math xmlns="http://www.w3.org/1998/Math/MathML"><mrow><mi xml:id="a">a</mi><mo xml:id="p">+</mo>
+<mfrac xml:id="bar"><mi xml:id="b">b</mi><mi xml:id="c">c</mi></mfrac></mrow></math></annotationXML>
+<trace id="0">0 40, 20 40, 20 60, 0 60, 0 40</trace>
+<trace id="1">30 50, 50 50</trace>
+<trace id="2">40 40, 40 60</trace>
+<trace id="3">60 50, 110 50</trace>
+<trace id="4">75 20, 75 44, 95 44, 95 32, 75 32</trace>
+<trace id="5">95 56, 75 56, 75 76, 95 76</trace>
+<traceGroup xml:id="seg"><annotation type="truth">Segmentation</annotation>
+<traceGroup xml:id="g0"><annotation type="truth">a</annotation><traceView traceDataRef="0"/><annotationXML href="a"/></traceGroup>
+<traceGroup xml:id="g1"><annotation type="truth">+</annotation><traceView traceDataRef="1"/><traceView traceDataRef="2"/><annotationXML href="p"/></traceGroup>
+<traceGroup xml:id="g2"><annotation type="truth">-</annotation><traceView traceDataRef="3"/><annotationXML href="bar"/></traceGroup>
+<traceGroup xml:id="g3"><annotation type="truth">b</annotation><traceView traceDataRef="4"/><annotationXML href="b"/></traceGroup>
+<traceGroup xml:id="g4"><annotation type="truth">c</annotation><traceView traceDataRef="5"/><annotationXML href="c"/></traceGroup>
+</traceGroup></ink>"""
+
+
+def test_layout_stats_compares_ink_with_its_drawing(tmp_path, capsys):
+    """scripts/layout_stats.py: the same places measured in the ink and in its label drawn again; data.spacing=1
+    opens the drawn fractions and gaps, and leaves the ink's figures as they are."""
+    from wapstable.cli import layout
+
+    folder = tmp_path / "TrainINKML"
+    folder.mkdir()
+    for k in range(4):
+        (folder / f"f{k}.inkml").write_text(LAYOUT_INKML)
+    tight = layout.compare(folder, ["data.spacing=0", "data.script_place=0"], files=4, seed=0)
+    apart = layout.compare(folder, ["data.spacing=1", "data.script_place=0"], files=4, seed=0)
+    assert tight["gap"]["n"] == 4 * 1 and tight["frac up"]["n"] == 4  # a-+ (the + and the bar: not symbols)
+    assert tight["gap"]["real"] == apart["gap"]["real"]
+    assert tight["frac up"]["real"][1] == pytest.approx(
+        (32 - 20) / 20 * 0.0 + 6 / 20, abs=0.15
+    )  # 6 units of 20
+    for m in ("gap", "frac up", "frac down", "frac left"):
+        assert apart[m]["drawn"][1] > tight[m]["drawn"][1] + 0.1, m
+    assert layout.main([str(folder), "--files", "2", "--out", str(tmp_path / "t.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "frac up" in printed and json.loads((tmp_path / "t.json").read_text())["gap"]["n"] == 2
+    with pytest.raises(UserError, match="no .inkml files"):
+        layout.compare(tmp_path / "empty", [], files=10, seed=0)

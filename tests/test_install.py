@@ -24,6 +24,7 @@ COMMANDS = [
     "wapstable-figures",
     "wapstable-share-cores",
     "wapstable-gpu-check",
+    "wapstable-layout-stats",
 ]
 
 
