@@ -669,16 +669,21 @@ def test_layout_stats_compares_ink_with_its_drawing(tmp_path, capsys):
     folder.mkdir()
     for k in range(4):
         (folder / f"f{k}.inkml").write_text(LAYOUT_INKML)
-    tight = layout.compare(folder, ["data.spacing=0", "data.script_place=0"], files=4, seed=0)
-    apart = layout.compare(folder, ["data.spacing=1", "data.script_place=0"], files=4, seed=0)
+    # a file without traceGroups has no symbol boxes: skipped
+    bare = LAYOUT_INKML[: LAYOUT_INKML.index("<traceGroup")] + "</ink>"
+    (folder / "no_groups.inkml").write_text(bare)
+    tight = layout.compare(folder, ["data.spacing=0", "data.script_place=0"], files=5, seed=0)
+    apart = layout.compare(folder, ["data.spacing=1", "data.script_place=0"], files=5, seed=0)
     assert tight["gap"]["n"] == 4 * 1 and tight["frac up"]["n"] == 4  # a-+ (the + and the bar: not symbols)
     assert tight["gap"]["real"] == apart["gap"]["real"]
     # b ends 6 units above the bar, letters are about 20 high: 0.3 less the boxes' padding
     assert tight["frac up"]["real"][1] == pytest.approx(6 / 20, abs=0.15)
     for m in ("gap", "frac up", "frac down", "frac left"):
         assert apart[m]["drawn"][1] > tight[m]["drawn"][1] + 0.1, m
-    assert layout.main([str(folder), "--files", "2", "--out", str(tmp_path / "t.json")]) == 0
+    assert layout.main([str(folder), "--files", "3", "--out", str(tmp_path / "t.json")]) == 0
     printed = capsys.readouterr().out
-    assert "frac up" in printed and json.loads((tmp_path / "t.json").read_text())["gap"]["n"] == 2
+    assert (
+        "frac up" in printed and json.loads((tmp_path / "t.json").read_text())["gap"]["n"] == 3
+    )  # f0, f1, f3 of the five
     with pytest.raises(UserError, match="no .inkml files"):
         layout.compare(tmp_path / "empty", [], files=10, seed=0)

@@ -128,6 +128,8 @@ def compare(folder: Path, overrides: list[str], files: int, seed: int) -> dict:
             real = read_inkml(path, raster)
         except DataError:
             continue
+        if real.boxes is None:  # no traceGroups, or not one per symbol: nothing to measure
+            continue
         rng = np.random.default_rng([seed, k])
         try:
             _, boxes = S.render_handwritten(
