@@ -491,8 +491,9 @@ def place_scripts(
 
 
 # How far apart writers set things, against mathtext's layout of the same labels drawn as rendered handwriting, on
-# the symbol boxes of 500 CROHME training files, in letter heights (the median height of an expression's letters and
-# digits; docs/handwriting.md, "Symbols set apart"):
+# the symbol boxes of 500 CROHME training files (every 15th of the sorted files; scripts/layout_stats.py measures
+# the same on any files), in letter heights (the median height of an expression's letters and digits;
+# docs/handwriting.md, "Symbols set apart and fonts mixed"):
 # - two neighbouring symbols: a median gap of 0.30 in the ink against 0.11 rendered (10th to 90th percentile
 #   -0.01..0.91 against -0.29..0.54), so a writer adds about 0.2;
 # - a fraction's numerator sits 0.18 above its bar and the denominator 0.18 below (rendered: -0.09 and -0.07,
