@@ -138,12 +138,7 @@ def compare(folder: Path, overrides: list[str], files: int, seed: int) -> dict:
                 int(cfg.font_size),
                 rng,
                 raster,
-                jitter=straying["jitter"],
-                distort=straying["distort"],
-                allographs=straying["allographs"],
-                script_place=straying["script_place"],
-                font_mix=straying["font_mix"],
-                spacing=straying["spacing"],
+                **straying,  # the keys of GLYPH_STRAYING are render_handwritten's
             )
         except ValueError:  # a label mathtext cannot lay out
             continue

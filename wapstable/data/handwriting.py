@@ -17,6 +17,13 @@ import numpy as np
 # (simplex) sets only, as a pen writes; the duplex and triplex sets draw each line twice
 TEXT_FONTS = ("futural", "rowmans", "scripts", "cursive")
 TEXT_FONT_WEIGHTS = (0.35, 0.3, 0.2, 0.15)
+
+
+def text_font(rng: np.random.Generator) -> str:
+    """One of TEXT_FONTS, by their chances: an expression's font (and, with data.font_mix, a glyph's own)."""
+    return TEXT_FONTS[int(rng.choice(len(TEXT_FONTS), p=TEXT_FONT_WEIGHTS))]
+
+
 # the Greek set's Latin keys
 GREEK_KEYS = {
     "\\alpha": "a",
@@ -556,13 +563,11 @@ def _open_fractions(tokens, drawn, rng, amount, jitter, h) -> list:
             x = bx0 + (st[:, 0] - bx0) * (bx1 - bx0 + left + right) / max(bx1 - bx0, 1e-6)
             out[k] = (i, np.stack([x, st[:, 1]], 1))
 
-        def widen(
-            x, x0=bx0, x1=bx1, more=(left, right)
-        ):  # what lies right of each end of the bar moves right
+        # what lies right of each end of the bar moves right by that end's lengthening; the bar is left as drawn
+        def widen(x, x0=bx0, x1=bx1, more=(left, right)):
             return more[0] * (x > x0) + more[1] * (x > x1)
 
-        moved = _shift_x(tokens, out, {o: ks for o, ks in owners.items() if o != i}, widen)
-        drawn = [out[k] if out[k][0] == i else moved[k] for k in range(len(out))]
+        drawn = _shift_x(tokens, out, {o: ks for o, ks in owners.items() if o != i}, widen)
     return drawn
 
 

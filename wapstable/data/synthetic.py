@@ -50,6 +50,12 @@ GLYPH_STRAYING = {
     "font_mix": 0.0,
     "spacing": 0.0,
 }
+# the keys of GLYPH_STRAYING that are chances, with what 0 and 1 draw (for the refusal of a value over 1)
+GLYPH_CHANCES = {
+    "allographs": ("the fonts' glyphs only", "the other hand-written forms wherever a symbol has them"),
+    "script_place": ("every script where mathtext puts it", "every script where writers put it"),
+    "font_mix": ("each expression in one stroke font", "a stroke font drawn for every glyph"),
+}
 MARGIN = 4  # px of background kept around the ink
 FONTS = ("cm", "stix", "stixsans", "dejavuserif", "dejavusans")
 
@@ -805,7 +811,7 @@ def render_handwritten(
     items = sorted(recorded, key=lambda item: item[0])
     matched = _match(tokens, recorded)
     owners = [m[0] for m in matched] if matched is not None else [None] * len(items)
-    text_font = hw.TEXT_FONTS[int(rng.choice(len(hw.TEXT_FONTS), p=hw.TEXT_FONT_WEIGHTS))]
+    text_font = hw.text_font(rng)
     drawn: list[tuple[int | None, np.ndarray]] = []  # (token index, stroke)
     k = 0
     while k < len(items):
@@ -820,7 +826,7 @@ def render_handwritten(
         else:
             glyph_font = text_font
             if font_mix > 0 and rng.random() < font_mix:  # no draw at 0: the images stay bit for bit
-                glyph_font = hw.TEXT_FONTS[int(rng.choice(len(hw.TEXT_FONTS), p=hw.TEXT_FONT_WEIGHTS))]
+                glyph_font = hw.text_font(rng)
             strokes = hw.draw_glyph(c, box, font_size, glyph_font, rng, jitter, bank, distort, allographs)
         drawn += [(owners[k], s) for s in strokes]
         k += 1
@@ -1045,21 +1051,11 @@ def _straying(cfg) -> dict[str, float]:
                 "leaves every script where mathtext puts it, data.font_mix=0 draws an expression in one font, "
                 "data.spacing=0 keeps mathtext's spacing)"
             )
-    if values["allographs"] > 1:
-        raise UserError(
-            f"data.allographs={values['allographs']} is a chance: set it between 0 (the fonts' glyphs only) and 1 "
-            "(the other hand-written forms wherever a symbol has them)"
-        )
-    if values["script_place"] > 1:
-        raise UserError(
-            f"data.script_place={values['script_place']} is a chance: set it between 0 (every script where "
-            "mathtext puts it) and 1 (every script where writers put it)"
-        )
-    if values["font_mix"] > 1:
-        raise UserError(
-            f"data.font_mix={values['font_mix']} is a chance: set it between 0 (each expression in one stroke "
-            "font) and 1 (a stroke font drawn for every glyph)"
-        )
+    for name, (zero, one) in GLYPH_CHANCES.items():
+        if values[name] > 1:
+            raise UserError(
+                f"data.{name}={values[name]} is a chance: set it between 0 ({zero}) and 1 ({one})"
+            )
     return {name: v for name, v in values.items() if v != GLYPH_STRAYING[name]}
 
 
