@@ -437,6 +437,54 @@ def test_experiment_handwritten_tests_on_crohme_folders(tmp_path, cache_dir):
     assert sets["2014"]["wer"] == pytest.approx(metrics["test_sets"]["2014"]["wer"])
 
 
+def _symbol_px(tokens, boxes):
+    """The median height in px of the letters and digits among `tokens`."""
+    return float(np.median([boxes[i, 3] - boxes[i, 1] for i, t in enumerate(tokens) if t.isalnum()]))
+
+
+def test_size_jitter_spreads_the_size_of_whole_expressions():
+    """data.size_jitter: 0 draws the default's pixels bit for bit, every expression at data.symbol_size; 0.2 draws
+    each expression at its own size (the spread of its letters' heights on a log scale near 0.2), the strokes as
+    wide as before, and the symbols of one expression in the same proportions."""
+    tokens = "a b + c d = e f g h k m".split()
+    default, _ = S.render_handwritten(tokens, "cm", 28, np.random.default_rng(5), RASTER, 0.0)
+    still, _ = S.render_handwritten(tokens, "cm", 28, np.random.default_rng(5), RASTER, 0.0, size_jitter=0.0)
+    assert np.array_equal(default, still)
+
+    def sizes(spread, n=40):
+        out = []
+        for seed in range(n):
+            img, boxes = S.render_handwritten(
+                tokens, "cm", 28, np.random.default_rng(seed), RASTER, 0.0, size_jitter=spread
+            )
+            out.append((_symbol_px(tokens, boxes), boxes[1, 2] - boxes[1, 0], img))
+        return out
+
+    fixed, spread = sizes(0.0), sizes(0.2)
+    assert np.std(np.log([h for h, _, _ in fixed])) < 0.05  # no spread: one size but for the font drawn
+    log_h = np.log([h for h, _, _ in spread])
+    assert (
+        0.12 < np.std(log_h) < 0.3 and abs(np.mean(log_h) - np.mean(np.log([h for h, _, _ in fixed]))) < 0.1
+    )
+    # the plus sign keeps its share of the letters' height: the whole expression is scaled, not single glyphs
+    ratios = [w / h for h, w, _ in spread]
+    assert np.std(ratios) / np.mean(ratios) < 0.02
+    # the pen is as wide as before: a bigger expression has more ink, not thicker lines
+    big = max(spread, key=lambda r: r[0])[2]
+    assert big.shape[0] > fixed[0][2].shape[0] and set(np.unique(big)) <= set(np.unique(default)) | {0, 255}
+
+
+def test_size_jitter_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
+    """data.size_jitter draws the same labels at other sizes under its own cache entry; its default keeps the key."""
+    params, plain = _build_handwritten(tmp_path, "data.scale=symbol")
+    assert "size_jitter" not in params
+    p, other = _build_handwritten(tmp_path, "data.scale=symbol", "data.size_jitter=0.3")
+    assert p["size_jitter"] == 0.3 and len(list(tmp_path.rglob("splits.npz"))) == 2
+    assert [s.tokens for s in other["train"]] == [s.tokens for s in plain["train"]]
+    ratios = [x.image.shape[0] / y.image.shape[0] for x, y in zip(other["train"], plain["train"])]
+    assert sum(r > 1.1 for r in ratios) and sum(r < 0.9 for r in ratios)  # some drawn larger, some smaller
+
+
 @pytest.mark.parametrize(
     "args, says",
     [
@@ -468,6 +516,16 @@ def test_experiment_handwritten_tests_on_crohme_folders(tmp_path, cache_dir):
         (["data.font_mix=0.5"], ["data.font_mix=0.5 shapes handwritten glyphs", "data.style=handwritten"]),
         (["data.style=handwritten", "data.spacing=-1"], ["data.spacing=-1.0 must be >= 0"]),
         (["data.spacing=1"], ["data.spacing=1.0 shapes handwritten glyphs", "data.style=handwritten"]),
+        (
+            ["data.size_jitter=0.2"],
+            ["data.size_jitter=0.2 shapes handwritten glyphs", "data.style=handwritten"],
+        ),
+        (["data.style=handwritten", "data.size_jitter=-0.1"], ["data.size_jitter=-0.1 must be >= 0"]),
+        (["data.style=handwritten", "data.size_jitter=3"], ["data.size_jitter=3.0 is a spread", "between 0"]),
+        (
+            ["data.style=handwritten", "data.scale=height", "data.size_jitter=0.2"],
+            ["data.size_jitter=0.2 spreads the size", "data.scale=symbol"],
+        ),
     ],
 )
 def test_bad_style_values_are_refused(tmp_path, cache_dir, args, says):
@@ -679,6 +737,14 @@ def test_layout_stats_compares_ink_with_its_drawing(tmp_path, capsys):
     assert tight["frac up"]["real"][1] == pytest.approx(6 / 20, abs=0.15)
     for m in ("gap", "frac up", "frac down", "frac left"):
         assert apart[m]["drawn"][1] > tight[m]["drawn"][1] + 0.1, m
+    # letter px: one per expression, in pixels; data.size_jitter spreads the drawn sizes, not the ink's
+    spread = layout.compare(folder, ["data.size_jitter=0.5", "data.script_place=0"], files=5, seed=0)
+    assert tight["letter px"]["n"] == 4 and spread["letter px"]["real"] == tight["letter px"]["real"]
+
+    def ratio(row):
+        return row["drawn"][2] / row["drawn"][0]
+
+    assert ratio(spread["letter px"]) > ratio(tight["letter px"]) + 0.2
     assert layout.main([str(folder), "--files", "3", "--out", str(tmp_path / "t.json")]) == 0
     printed = capsys.readouterr().out
     assert (

@@ -141,6 +141,10 @@ class DataConfig:
     # handwritten, with data.augment: how far apart neighbouring symbols are set beyond mathtext's spacing, in the
     # gap writers add (1: 0.2 of a letter's height on average, measured on CROHME ink; data/handwriting.py SYMBOL_GAP)
     spacing: float = 0.0
+    # handwritten, with data.augment and data.scale=symbol: the spread of each expression's size, on a log scale: its
+    # typical symbol drawn data.symbol_size times exp(N(0, size_jitter)) px (0: all at data.symbol_size; 0.2 spreads
+    # them as the letter heights of CROHME writers spread; at most 1)
+    size_jitter: float = 0.0
     # A fresh random affine warp of each training image at every step, boxes moved with it (wapstable/data/warp.py);
     # its strength: 1 = up to 1.5 degrees of rotation, 0.15 of shear, 15 % of shrink, 2 px of shift. 0 = off.
     warp: float = 0.0

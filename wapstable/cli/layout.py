@@ -13,7 +13,9 @@ one-character letters and digits):
 - `frac up` / `frac down`: from a fraction's numerator to its bar, from the bar to its denominator;
 - `frac left` / `frac right`: how far the bar reaches beyond its numerator and denominator;
 - `sub size`, `sub shift`, `sub gap` (and `sup ...`): a one-symbol script's height as a share of its base's, its
-  centre's shift below the base's centre and its gap after the base, in base heights.
+  centre's shift below the base's centre and its gap after the base, in base heights;
+- `letter px`: the letter height itself, in pixels of the image (one per expression): how the sizes of whole
+  expressions spread (data.size_jitter), as drawn before the training warp (data.warp) shrinks them further.
 
 Each row counts only the places measurable in both, so the two columns describe the same places.
 """
@@ -40,6 +42,7 @@ MEASURES = (
     "sup size",
     "sup shift",
     "sup gap",
+    "letter px",
 )
 _SPACED = frozenset({"\\frac", "\\sqrt", "{", "}", "^", "_", "\\limits"})
 
@@ -67,7 +70,7 @@ def measure(tokens: list[str], boxes: np.ndarray) -> dict[tuple[str, int], float
     h = float(np.median(heights)) if heights else 0.0
     if not h > 0:
         return {}
-    out = {}
+    out = {("letter px", -1): h}
     for i in range(len(tokens) - 1):
         a, b = boxes[i], boxes[i + 1]
         if tokens[i] not in _SPACED and tokens[i + 1] not in _SPACED and _finite(a, b):

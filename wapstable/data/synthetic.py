@@ -40,8 +40,9 @@ FORMAT_VERSION = 2
 # bump whenever data.style=handwritten draws other strokes for the same config (2: roots drawn in every font set)
 HANDWRITING_VERSION = 2
 SPLITS = ("train", "valid", "test")
-# data.jitter, data.distort, data.allographs, data.script_place, data.font_mix and data.spacing at their defaults
-# (config.DataConfig): a handwritten glyph as its expression's font has drawn it, where mathtext put it
+# data.jitter, data.distort, data.allographs, data.script_place, data.font_mix, data.spacing and data.size_jitter at
+# their defaults (config.DataConfig): a handwritten glyph as its expression's font has drawn it, where mathtext put
+# it, at data.symbol_size
 GLYPH_STRAYING = {
     "jitter": 1.0,
     "distort": 0.0,
@@ -49,6 +50,7 @@ GLYPH_STRAYING = {
     "script_place": 0.0,
     "font_mix": 0.0,
     "spacing": 0.0,
+    "size_jitter": 0.0,
 }
 # the keys of GLYPH_STRAYING that are chances, with what 0 and 1 draw (for the refusal of a value over 1)
 GLYPH_CHANCES = {
@@ -793,6 +795,7 @@ def render_handwritten(
     script_place: float = 0.0,
     font_mix: float = 0.0,
     spacing: float = 0.0,
+    size_jitter: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """data.style=handwritten: the image of `tokens` drawn as pen strokes on mathtext's layout (font set `font`
     at `font_size`), rasterised like InkML by `raster` (wapstable.data.crohme.Raster), and its tokens' boxes
@@ -803,7 +806,9 @@ def render_handwritten(
     `allographs` is the chance that a symbol with other hand-written forms is drawn in one (data.allographs);
     `script_place` the chance that a script is moved to where writers put it (data.script_place, hw.place_scripts);
     `font_mix` the chance that a glyph is drawn in a stroke font drawn for it alone (data.font_mix); `spacing` how
-    far apart the symbols are set beyond mathtext's spacing, as writers set them (data.spacing, hw.spread_symbols)."""
+    far apart the symbols are set beyond mathtext's spacing, as writers set them (data.spacing, hw.spread_symbols);
+    `size_jitter` the spread of the expression's size: its typical symbol drawn raster.symbol_size times
+    exp(N(0, size_jitter)) px (data.size_jitter)."""
     from wapstable.data import handwriting as hw
     from wapstable.data.crohme import rasterize_traces
 
@@ -840,9 +845,12 @@ def render_handwritten(
     if jitter > 0:  # a slant shared by the whole expression, as a writer's
         y_mid = float(np.median(np.concatenate(traces)[:, 1]))
         traces = hw.slant(traces, float(rng.normal(0.05, 0.1) * jitter), y_mid)
+    symbol_size = raster.symbol_size
+    if size_jitter > 0 and symbol_size > 0:  # no draw at 0: the images stay bit for bit
+        symbol_size *= float(np.exp(rng.normal(0, size_jitter)))
     transform: list = []
     img = rasterize_traces(
-        traces, raster.height, raster.line_width, symbol_size=raster.symbol_size, transform=transform
+        traces, raster.height, raster.line_width, symbol_size=symbol_size, transform=transform
     )
     lo, scale, offset = transform[0]
     boxes = no_boxes(len(tokens))
@@ -879,6 +887,7 @@ def _render_chunk(job: tuple) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]
         script_place,
         font_mix,
         spacing,
+        size_jitter,
     ) = job
     out, failures = [], box_failures
     unmatched = (
@@ -907,6 +916,7 @@ def _render_chunk(job: tuple) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]
                     script_place=script_place if augment else 0.0,
                     font_mix=font_mix if augment else 0.0,
                     spacing=spacing if augment else 0.0,
+                    size_jitter=size_jitter if augment else 0.0,
                 )
                 unmatched += bool(np.isnan(boxes).all())
                 out.append((image, boxes))
@@ -966,6 +976,7 @@ def _render_all(labels: dict[str, list[list[str]]], cfg, params: dict) -> dict[s
                     params.get("script_place", GLYPH_STRAYING["script_place"]),
                     params.get("font_mix", GLYPH_STRAYING["font_mix"]),
                     params.get("spacing", GLYPH_STRAYING["spacing"]),
+                    params.get("size_jitter", GLYPH_STRAYING["size_jitter"]),
                 )
             )
             owners.append(split)
@@ -1039,9 +1050,10 @@ def _check_glyphs(cfg) -> None:
 
 
 def _straying(cfg) -> dict[str, float]:
-    """data.jitter, data.distort, data.allographs, data.script_place, data.font_mix and data.spacing where they are not
-    at their defaults (GLYPH_STRAYING); a config from before they existed has the defaults. A negative or NaN value is
-    refused, and a chance (data.allographs, data.script_place, data.font_mix) over 1."""
+    """data.jitter, data.distort, data.allographs, data.script_place, data.font_mix, data.spacing and data.size_jitter
+    where they are not at their defaults (GLYPH_STRAYING); a config from before they existed has the defaults. A
+    negative or NaN value is refused, a chance (data.allographs, data.script_place, data.font_mix) over 1, and
+    data.size_jitter over 1 (a spread of e times the size either way, nothing a writer does)."""
     values = {name: float(getattr(cfg, name, default)) for name, default in GLYPH_STRAYING.items()}
     for name, v in values.items():
         if not v >= 0:  # NaN too
@@ -1049,13 +1061,19 @@ def _straying(cfg) -> dict[str, float]:
                 f"data.{name}={v} must be >= 0 (data.jitter=1 is the usual jitter of each glyph, data.distort=0 "
                 "leaves its shape alone, data.allographs=0 draws every glyph as the fonts do, data.script_place=0 "
                 "leaves every script where mathtext puts it, data.font_mix=0 draws an expression in one font, "
-                "data.spacing=0 keeps mathtext's spacing)"
+                "data.spacing=0 keeps mathtext's spacing, data.size_jitter=0 draws every expression at "
+                "data.symbol_size)"
             )
     for name, (zero, one) in GLYPH_CHANCES.items():
         if values[name] > 1:
             raise UserError(
                 f"data.{name}={values[name]} is a chance: set it between 0 ({zero}) and 1 ({one})"
             )
+    if values["size_jitter"] > 1:
+        raise UserError(
+            f"data.size_jitter={values['size_jitter']} is a spread of sizes on a log scale: set it between 0 (every "
+            "expression at data.symbol_size) and 1 (0.2 spreads them as CROHME writers' sizes spread)"
+        )
     return {name: v for name, v in values.items() if v != GLYPH_STRAYING[name]}
 
 
@@ -1075,6 +1093,11 @@ def _handwriting_params(cfg) -> dict:
         pillow=importlib.metadata.version("pillow"),
     )
     out.update(_straying(cfg))  # only when not the default, so that the caches of default configs stay valid
+    if "size_jitter" in out and str(cfg.scale) != "symbol":
+        raise UserError(
+            f"data.size_jitter={cfg.size_jitter} spreads the size symbols are drawn at, which data.scale={cfg.scale} "
+            "does not keep: set data.scale=symbol as well (or data.size_jitter=0)"
+        )
     if _key(cfg, "glyphs") == "crohme":  # real symbols: the bank's key names the files they were cut from
         out["glyphs"] = "crohme"
         out["glyph_bank"] = _bank_path(cfg).parent.name
