@@ -194,12 +194,12 @@ def _build_handwritten(tmp_path, *extra):
     return S._cache_params(cfg), S.build_splits(cfg)
 
 
-def _own_cache_entry(tmp_path, key: str) -> tuple[dict, dict]:
-    """The splits at data.KEY's default and at data.KEY=1: the default keeps the cache key of the configs before the
-    key existed, 1 is cached under its own entry, and both hold the same labels."""
-    params, plain = _build_handwritten(tmp_path)
+def _own_cache_entry(tmp_path, key: str, *extra) -> tuple[dict, dict]:
+    """The splits at data.KEY's default and at data.KEY=1 (both with the overrides `extra`): the default keeps the
+    cache key of the configs before the key existed, 1 is cached under its own entry, and both hold the same labels."""
+    params, plain = _build_handwritten(tmp_path, *extra)
     assert key not in params
-    p, other = _build_handwritten(tmp_path, f"data.{key}=1")
+    p, other = _build_handwritten(tmp_path, *extra, f"data.{key}=1")
     assert p[key] == 1.0 and len(list(tmp_path.rglob("splits.npz"))) == 2
     assert [s.tokens for s in other["train"]] == [s.tokens for s in plain["train"]]
     return plain, other
@@ -437,15 +437,12 @@ def test_experiment_handwritten_tests_on_crohme_folders(tmp_path, cache_dir):
     assert sets["2014"]["wer"] == pytest.approx(metrics["test_sets"]["2014"]["wer"])
 
 
-def _symbol_px(tokens, boxes):
-    """The median height in px of the letters and digits among `tokens`."""
-    return float(np.median([boxes[i, 3] - boxes[i, 1] for i, t in enumerate(tokens) if t.isalnum()]))
-
-
 def test_size_jitter_spreads_the_size_of_whole_expressions():
     """data.size_jitter: 0 draws the default's pixels bit for bit, every expression at data.symbol_size; 0.2 draws
     each expression at its own size (the spread of its letters' heights on a log scale near 0.2), the strokes as
     wide as before, and the symbols of one expression in the same proportions."""
+    from wapstable.cli import layout
+
     tokens = "a b + c d = e f g h k m".split()
     default, _ = S.render_handwritten(tokens, "cm", 28, np.random.default_rng(5), RASTER, 0.0)
     still, _ = S.render_handwritten(tokens, "cm", 28, np.random.default_rng(5), RASTER, 0.0, size_jitter=0.0)
@@ -457,7 +454,8 @@ def test_size_jitter_spreads_the_size_of_whole_expressions():
             img, boxes = S.render_handwritten(
                 tokens, "cm", 28, np.random.default_rng(seed), RASTER, 0.0, size_jitter=spread
             )
-            out.append((_symbol_px(tokens, boxes), boxes[1, 2] - boxes[1, 0], img))
+            letter_px = layout.measure(tokens, boxes)[("letter px", -1)]  # the median letter height
+            out.append((letter_px, boxes[1, 2] - boxes[1, 0], img))
         return out
 
     fixed, spread = sizes(0.0), sizes(0.2)
@@ -476,11 +474,7 @@ def test_size_jitter_spreads_the_size_of_whole_expressions():
 
 def test_size_jitter_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
     """data.size_jitter draws the same labels at other sizes under its own cache entry; its default keeps the key."""
-    params, plain = _build_handwritten(tmp_path, "data.scale=symbol")
-    assert "size_jitter" not in params
-    p, other = _build_handwritten(tmp_path, "data.scale=symbol", "data.size_jitter=0.3")
-    assert p["size_jitter"] == 0.3 and len(list(tmp_path.rglob("splits.npz"))) == 2
-    assert [s.tokens for s in other["train"]] == [s.tokens for s in plain["train"]]
+    plain, other = _own_cache_entry(tmp_path, "size_jitter", "data.scale=symbol")
     ratios = [x.image.shape[0] / y.image.shape[0] for x, y in zip(other["train"], plain["train"])]
     assert sum(r > 1.1 for r in ratios) and sum(r < 0.9 for r in ratios)  # some drawn larger, some smaller
 
