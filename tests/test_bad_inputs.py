@@ -104,6 +104,7 @@ def train_into(run, cache_dir, *args):
         ),
         (["trainer.threads=-3"], 2, ["error: trainer.threads=-3 is not a thread count; use auto"]),
         (["trainer.threads=many"], 2, ["error: trainer.threads=many is not a thread count; use auto"]),
+        (["decode.scales=[1.0,0]"], 2, ["error: decode.scales=[1.0, 0.0] must list one or more factors in"]),
     ],
     ids=[
         "unknown-option",
@@ -119,6 +120,7 @@ def train_into(run, cache_dir, *args):
         "positions",
         "negative-threads",
         "threads-word",
+        "test-scales",
     ],
 )
 def test_bad_config(run_dir, cache_dir, args, code, messages):

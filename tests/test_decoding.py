@@ -205,3 +205,52 @@ def test_beam_search_finds_the_exhaustive_best(n_tokens, max_len, seed, gain):
     found = torch.stack([scores[b, seqs.index(s)] for b, s in enumerate(beam)])
     torch.testing.assert_close(found, top.values[:, 0], atol=1e-5, rtol=0)
     assert beam_search(model, x, mask, 1, max_len) == greedy
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_scores_out_is_the_picks_log_prob_per_token(beam_size):
+    # the figure decode.scales compares readings by: each pick's log-prob / length, <eol> counted when emitted
+    from wapstable.eval.evaluation import decode
+
+    model, max_len = tiny_model(seed=4).eval(), 6
+    x, mask, _, _ = batch()
+    scores: list[float] = []
+    seqs = decode(model, x, mask, beam_size, max_len, scores_out=scores)
+    assert len(scores) == len(seqs) == 4
+    torch.testing.assert_close(
+        torch.tensor(scores), seq_log_prob(model, x, mask, seqs, max_len), atol=1e-5, rtol=0
+    )
+
+
+def test_decode_scales_keeps_the_likelier_reading_of_each_image(overfit):
+    from wapstable.eval.evaluation import decode, decode_scales, rescale
+
+    model, x, mask = overfit
+    max_len = 6
+    assert decode_scales(model, x, mask, 3, max_len, (1.0,)) == decode(model, x, mask, 3, max_len)
+    readings = {}
+    for factor in (1.0, 0.6, 1.5):
+        scores: list[float] = []
+        xs, ms = rescale(x, mask, factor)
+        assert xs.shape[-2:] == (max(16, round(16 * factor)), max(16, round(32 * factor)))
+        readings[factor] = (decode(model, xs, ms, 3, max_len, scores_out=scores), scores)
+    picked = decode_scales(model, x, mask, 3, max_len, (1.0, 0.6, 1.5))
+    for i in range(4):
+        best = max(readings, key=lambda f: readings[f][1][i])
+        assert picked[i] == readings[best][0][i]
+    # the other sizes read otherwise, and less surely: the readings of the size it was trained at win
+    assert readings[0.6][0] != LABELS and readings[1.5][0] != LABELS
+    assert picked == LABELS
+
+
+def test_rescale_keeps_ink_inside_the_mask():
+    from wapstable.eval.evaluation import rescale
+
+    x, mask, _, _ = batch()
+    for factor in (0.5, 0.85, 1.25):
+        xs, ms = rescale(x, mask, factor)
+        assert ms.shape == xs.shape[:1] + xs.shape[2:] and set(ms.unique().tolist()) <= {0.0, 1.0}
+        assert (xs[:, 0][ms == 0] == 0).all() and 0 <= xs.min() and xs.max() <= 1
+        # each image keeps its own width, scaled: the narrow one stays narrower than the wide ones
+        widths = ms[:, 0].sum(1)
+        assert widths[1] < widths[0] and abs(widths[0] - round(32 * factor)) <= 1

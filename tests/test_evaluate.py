@@ -70,6 +70,23 @@ def test_evaluate_overrides_and_errors(tiny_run, tmp_path, capsys):
     assert result["split"] == "valid" and result["beam_size"] == 3 and result["count"] == 8
     assert "within_2" in capsys.readouterr().out
 
+    # decode.scales: each image read at several sizes, the likelier reading kept; a bad factor refused
+    scaled = tmp_path / "scaled.json"
+    args = [
+        str(ckpt),
+        "split=valid",
+        "decode.beam_size=1",
+        "decode.scales=[1.0,0.5,2.0]",
+        "--out",
+        str(scaled),
+    ]
+    assert evaluate.main(args) == 0
+    scaled = json.loads(scaled.read_text())
+    assert scaled["count"] == 8 and scaled["scales"] == [1.0, 0.5, 2.0]
+    with pytest.raises(
+        evaluate.UserError, match=r"decode.scales=\[1.0, -1.0\] must list one or more factors"
+    ):
+        evaluate.main([str(ckpt), "decode.scales=[1.0,-1.0]"])
     with pytest.raises(evaluate.UserError, match="model comes from the checkpoint"):
         evaluate.main([str(ckpt), "model.hidden_dim=8"])
     with pytest.raises(evaluate.UserError, match="data.root"):

@@ -255,6 +255,10 @@ class DecodeConfig:
     # the final test evaluation: beam 10 as in WAP; costs about 20-30 s more than greedy on the default run's 200
     # test images on a CPU (about 2% of the run)
     final_beam_size: int = 10
+    # the final test evaluation (and scripts/evaluate.py) reads every image at each of these scales, resized, and
+    # keeps the reading of highest log-prob / length; [1.0] reads it as it is (docs/handwriting.md, "Reading at
+    # several sizes")
+    scales: list[float] = field(default_factory=lambda: [1.0])
 
 
 @dataclass

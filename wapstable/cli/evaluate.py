@@ -36,7 +36,13 @@ from wapstable.cli import run_script
 from wapstable.config import CONF_DIR, checkpoint_config, register_configs
 from wapstable.data.batches import SPLITS, check_labels, load_splits
 from wapstable.errors import UserError
-from wapstable.eval.evaluation import combine_sets, evaluate_samples, load_model, score_test_sets
+from wapstable.eval.evaluation import (
+    check_scales,
+    combine_sets,
+    evaluate_samples,
+    load_model,
+    score_test_sets,
+)
 from wapstable.eval.metrics import confusions, format_confusions, format_sets_table, format_table
 
 log = logging.getLogger("wapstable")
@@ -143,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     d = cfg.data
     if beam <= 0 or cfg.decode.max_len <= 0:
         raise UserError("decode.beam_size and decode.max_len must be positive")
+    check_scales(cfg.decode.scales)
     device = resolve_device(cfg.trainer.device)
     threads = resolve_threads(cfg.trainer.threads)
     if threads > 0:
@@ -169,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             d.max_batch,
             device,
             predictions=predictions,
+            scales=tuple(cfg.decode.scales),
         )
 
     sets = splits.report["test_sets"] if split == "test" else {}
@@ -192,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         "split": split,
         "data": d.name,
         "beam_size": beam,
+        "scales": [float(v) for v in cfg.decode.scales],
         "max_len": cfg.decode.max_len,
         "seconds": round(seconds, 2),
     }

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
+from torch import Tensor
 
 from wapstable.checkpoint import load_checkpoint
 from wapstable.data.batches import collate, make_batches
@@ -48,11 +50,73 @@ def load_model(
     return model.to(device).eval(), vocab, cfg
 
 
-def decode(model, images, image_mask, beam_size: int, max_len: int, return_attention: bool = False):
-    """Greedy for beam_size 1, else beam search: token indices per image (and attention maps if asked)."""
+def decode(
+    model,
+    images,
+    image_mask,
+    beam_size: int,
+    max_len: int,
+    return_attention: bool = False,
+    scores_out: list | None = None,
+):
+    """Greedy for beam_size 1, else beam search: token indices per image (and attention maps if asked; each pick's
+    log-prob / length into `scores_out` if given)."""
     if beam_size > 1:
-        return beam_search(model, images, image_mask, beam_size, max_len, return_attention=return_attention)
-    return greedy_decode(model, images, image_mask, max_len, return_attention=return_attention)
+        return beam_search(
+            model,
+            images,
+            image_mask,
+            beam_size,
+            max_len,
+            return_attention=return_attention,
+            scores_out=scores_out,
+        )
+    return greedy_decode(
+        model, images, image_mask, max_len, return_attention=return_attention, scores_out=scores_out
+    )
+
+
+def rescale(images: Tensor, image_mask: Tensor, factor: float) -> tuple[Tensor, Tensor]:
+    """A batch's images and mask resized by `factor` (bilinear, antialiased when shrinking; the mask by nearest
+    neighbour), at least 16 px each way: the batch as if its ink had been drawn `factor` times as large."""
+    if factor == 1.0:
+        return images, image_mask
+    H, W = images.shape[-2:]
+    size = (max(16, round(H * factor)), max(16, round(W * factor)))
+    out = F.interpolate(images, size=size, mode="bilinear", align_corners=False, antialias=factor < 1)
+    mask = F.interpolate(image_mask.unsqueeze(1), size=size, mode="nearest").squeeze(1)
+    return out.clamp(0, 1) * mask.unsqueeze(1), mask
+
+
+def check_scales(scales) -> None:
+    """decode.scales: one or more finite factors, each in (0.25, 4]; else a UserError naming the value."""
+    try:
+        values = [float(v) for v in scales]
+    except (TypeError, ValueError):
+        values = []
+    if not values or not all(0.25 < v <= 4.0 for v in values):  # NaN fails too
+        shown = list(scales) if hasattr(scales, "__iter__") and not isinstance(scales, str) else scales
+        raise UserError(
+            f"decode.scales={shown} must list one or more "
+            "factors in (0.25, 4], e.g. decode.scales=[1.0] (each image as it is) or decode.scales=[1.0,0.85,0.7]"
+        )
+
+
+def decode_scales(model, images, image_mask, beam_size: int, max_len: int, scales: Sequence[float] = (1.0,)):
+    """Token indices per image, read at every scale of `scales` (decode.scales, test-time): for each image, the
+    reading whose log-prob / length is highest. One scale (the default, 1) is plain `decode`."""
+    if len(scales) == 1 and scales[0] == 1.0:
+        return decode(model, images, image_mask, beam_size, max_len)
+    best: list[tuple[float, list[int]]] = []
+    for factor in scales:
+        scores: list[float] = []
+        x, m = rescale(images, image_mask, float(factor))
+        seqs = decode(model, x, m, beam_size, max_len, scores_out=scores)
+        if not best:
+            best = list(zip(scores, seqs))
+        else:
+            best = [b if b[0] >= sc else (sc, q) for b, sc, q in zip(best, scores, seqs)]
+    return [seq for _, seq in best]
 
 
 @torch.no_grad()
@@ -67,12 +131,15 @@ def evaluate_samples(
     device: torch.device | str,
     loss_fn: Callable | None = None,
     predictions: list | None = None,
+    scales: Sequence[float] = (1.0,),
 ) -> dict:
     """Decode every sample in WAP-style batches and score it: ExpressionMetrics.compute()'s dict.
 
     `loss_fn(model, batch)`, when given, is the teacher-forced loss of a batch; its sample-weighted mean is added as
     result["loss"]. `predictions`, when given, receives one dict per sample: its id, reference and predicted tokens
-    and their edit distance. The model is put in eval mode for the evaluation and back in its former mode after.
+    and their edit distance. `scales` (decode.scales) reads every image at each of those scales and keeps the most
+    likely reading (`decode_scales`). The model is put in eval mode for the evaluation and back in its former mode
+    after.
     """
     was_training = model.training
     model.eval()
@@ -83,7 +150,7 @@ def evaluate_samples(
             batch = collate([samples[i] for i in idx], vocab).to(device)
             if loss_fn is not None:
                 total_loss += float(loss_fn(model, batch)) * len(idx)
-            hyps = decode(model, batch.images, batch.image_mask, beam_size, max_len)
+            hyps = decode_scales(model, batch.images, batch.image_mask, beam_size, max_len, scales)
             preds = [vocab.decode(h) for h in hyps]
             refs = [samples[i].tokens for i in idx]
             distances = metrics.update(preds, refs)

@@ -12,18 +12,28 @@ from torch import Tensor
 
 @torch.no_grad()
 def greedy_decode(
-    model, images: Tensor, image_mask: Tensor, max_len: int, return_attention: bool = False
+    model,
+    images: Tensor,
+    image_mask: Tensor,
+    max_len: int,
+    return_attention: bool = False,
+    scores_out: list | None = None,
 ) -> list[list[int]] | tuple[list[list[int]], list[Tensor]]:
-    """The most likely token at each step, until `<eol>` or `max_len` tokens."""
+    """The most likely token at each step, until `<eol>` or `max_len` tokens. `scores_out`, when given, receives each
+    image's log-prob / length (the length counting the `<eol>` where there is one), as beam_search scores."""
     B = images.size(0)
     state = model.init_state(*model.encode(images, image_mask))
     prev = torch.full((B,), model.start_index, dtype=torch.long, device=images.device)
     done = torch.zeros(B, dtype=torch.bool, device=images.device)
     tokens = torch.zeros(B, 0, dtype=torch.long, device=images.device)  # (B, t)
     att = state.coverage.new_zeros(B, 0, *state.coverage.shape[1:])  # (B, t, h, w)
+    total = torch.zeros(B, device=images.device)
+    length = torch.zeros(B, device=images.device)
     for _ in range(max_len):
         log_probs, state, alpha = model.step(state, prev)
-        prev = log_probs.argmax(-1)  # (B,)
+        best, prev = log_probs.max(-1)  # (B,)
+        total += best.float().masked_fill(done, 0.0)
+        length += (~done).float()
         tokens = torch.cat([tokens, prev[:, None]], 1)
         if return_attention:
             att = torch.cat([att, alpha.unsqueeze(1).to(att.dtype)], 1)
@@ -31,18 +41,27 @@ def greedy_decode(
         if done.all():
             break
     seqs = [seq[: seq.index(0)] if 0 in seq else seq for seq in tokens.tolist()]
+    if scores_out is not None:
+        scores_out.extend((total / length.clamp_min(1)).tolist())
     return (seqs, [att[i, : len(seq)] for i, seq in enumerate(seqs)]) if return_attention else seqs
 
 
 @torch.no_grad()
 def beam_search(
-    model, images: Tensor, image_mask: Tensor, beam_size: int, max_len: int, return_attention: bool = False
+    model,
+    images: Tensor,
+    image_mask: Tensor,
+    beam_size: int,
+    max_len: int,
+    return_attention: bool = False,
+    scores_out: list | None = None,
 ) -> list[list[int]] | tuple[list[list[int]], list[Tensor]]:
     """WAP's beam search, batched: the K beams of image b are rows b*K .. b*K + K-1 of one decoder batch.
 
     As in WAP's gen_sample, a hypothesis that emits `<eol>` leaves the beam, which then keeps K - (finished) live
     hypotheses; an image is done when K have finished, or at `max_len`, where its live hypotheses compete too.
-    The final pick maximises log-prob / length, the length counting the `<eol>` where there is one.
+    The final pick maximises log-prob / length, the length counting the `<eol>` where there is one; `scores_out`,
+    when given, receives that figure of each image's pick.
     """
     B, K = images.size(0), beam_size
     device = images.device
@@ -93,7 +112,9 @@ def beam_search(
             )
         if not hyps:  # every score NaN (a model gone non-finite): an empty hypothesis, not a crash
             hyps.append((float("-inf"), [], _at(att, b, 0, 0)))
-        _, seq, a = max(hyps, key=lambda h: h[0])
+        score, seq, a = max(hyps, key=lambda h: h[0])
+        if scores_out is not None:
+            scores_out.append(score)
         seqs.append(seq)
         maps.append(a)
     return (seqs, maps) if return_attention else seqs

@@ -107,9 +107,9 @@ class RunEvents:
 
     # ---- evaluation ----
     @torch.no_grad()
-    def evaluate(self, split: str, beam_size: int | None = None, samples=None) -> dict:
-        """Metrics (and teacher-forced loss) of a split (or of `samples` of it), through the same code as
-        scripts/evaluate.py."""
+    def evaluate(self, split: str, beam_size: int | None = None, samples=None, scales=(1.0,)) -> dict:
+        """Metrics (and teacher-forced loss) of a split (or of `samples` of it), read at `scales`, through the same
+        code as scripts/evaluate.py."""
         cfg = self.cfg
         self.model.scale_energies(1.0)  # faults act on training steps only
 
@@ -128,6 +128,7 @@ class RunEvents:
             cfg.data.max_batch,
             self.device,
             loss_fn=loss_fn,
+            scales=tuple(scales),
         )
 
     def run_eval(self, progress) -> dict:
@@ -318,7 +319,9 @@ class RunEvents:
             self.model.load_state_dict(load_checkpoint(best_path)["model"])
         beam = self.cfg.decode.final_beam_size
         sets = score_test_sets(
-            lambda samples: self.evaluate("test", beam_size=beam, samples=samples),
+            lambda samples: self.evaluate(
+                "test", beam_size=beam, samples=samples, scales=self.cfg.decode.scales
+            ),
             self.splits["test"],
             self.splits.report["test_sets"],
         )
