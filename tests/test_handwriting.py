@@ -228,6 +228,63 @@ def test_allographs_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
     _changes_exactly_where(tmp_path, "allographs", has_other_forms)
 
 
+def test_more_forms_draw_their_symbols_and_roots_by_their_chance():
+    """data.more_forms: 0 draws the fonts' glyphs and RADICAL without touching the random stream; 1 draws every
+    symbol of MORE_FORMS in one of its forms, each in turn, and every root's sign as one of RADICALS; the symbols of
+    ALLOGRAPHS keep to data.allographs."""
+    box, size = (10.0, 20.0, 30.0, 48.0), 28.0
+
+    def draw(c, more, seed, jitter=0.0, allographs=0.0):
+        rng = np.random.default_rng(seed)
+        return hw.draw_glyph(c, box, size, "futural", rng, jitter, None, 0.0, allographs, more)
+
+    forms = {c: [hw._to_unit(f) for f in fs] for c, fs in hw.MORE_FORMS.items()}
+    for c in ("0", "(", "\\beta", "4"):
+        legacy = hw.draw_glyph(c, box, size, "futural", np.random.default_rng(3), 1.0, None, 0.0, 0.5)
+        assert _same_strokes(draw(c, 0.0, 3, jitter=1.0, allographs=0.5), legacy)
+    seen = {c: set() for c in forms}
+    for seed in range(30):
+        for c, options in forms.items():
+            unit = hw._to_unit(draw(c, 1.0, seed))
+            match = [k for k, f in enumerate(options) if _same_strokes(unit, f)]
+            assert match, f"{c} at chance 1 was not drawn in one of its forms"
+            seen[c].add(match[0])
+        # data.allographs alone decides the symbols of ALLOGRAPHS
+        assert _same_strokes(draw("4", 1.0, seed, 1.0), draw("4", 0.0, seed, 1.0))
+    assert all(seen[c] == set(range(len(forms[c]))) for c in forms)
+    assert not any(_same_strokes(hw._to_unit(draw("0", 0.0, 0)), f) for f in forms["0"])
+
+    def sign(more, seed, jitter=0.0):  # the sign's points before the bar, in the unit of its box
+        (pts,) = hw.draw_radical(
+            (0.0, 0.0, 10.0, 20.0), 60.0, 0.0, np.random.default_rng(seed), jitter, 28.0, None, more
+        )
+        return pts
+
+    (legacy,) = hw.draw_radical((0.0, 0.0, 10.0, 20.0), 60.0, 0.0, np.random.default_rng(1), 1.0, 28.0)
+    assert np.array_equal(sign(0.0, 1, 1.0), legacy)
+    assert np.allclose(sign(0.0, 0)[:-1] / (10.0, 20.0), hw.RADICAL)
+    seen = set()
+    for k in range(30):
+        pts = sign(1.0, k)
+        assert (pts[-1] == (60.0, 0.0)).all() and pts[-2, 1] == 0.0  # the bar from the sign's top to its end
+        unit = pts[:-1] / (10.0, 20.0)
+        match = [i for i, r in enumerate(hw.RADICALS) if len(r) == len(unit) and np.allclose(unit, r)]
+        assert match, "a root's sign at chance 1 is not one of RADICALS"
+        seen.add(match[0])
+    assert seen == set(range(len(hw.RADICALS)))
+
+
+def test_more_forms_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
+    """data.more_forms draws another image exactly where a label holds a symbol of MORE_FORMS or a root."""
+    names = ("\\sin", "\\cos", "\\tan", "\\log", "\\lim")  # drawn as their letters
+
+    def has_more_forms(tokens):
+        glyphs = set(tokens) | {ch for t in tokens if t in names for ch in t[1:]}
+        return bool(glyphs & set(hw.MORE_FORMS)) or "\\sqrt" in tokens
+
+    _changes_exactly_where(tmp_path, "more_forms", has_more_forms)
+
+
 def test_jitter_and_distort_are_keys_of_the_cache_and_of_the_pixels(tmp_path):
     """data.jitter and data.distort each draw other images under their own cache entry; their defaults leave the
     cache key of a config as it was before they existed."""
@@ -508,6 +565,7 @@ def test_size_jitter_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
         ),
         (["data.style=handwritten", "data.font_mix=2"], ["data.font_mix=2.0 is a chance", "between 0"]),
         (["data.font_mix=0.5"], ["data.font_mix=0.5 shapes handwritten glyphs", "data.style=handwritten"]),
+        (["data.style=handwritten", "data.more_forms=1.5"], ["data.more_forms=1.5 is a chance", "between 0"]),
         (["data.style=handwritten", "data.spacing=-1"], ["data.spacing=-1.0 must be >= 0"]),
         (["data.spacing=1"], ["data.spacing=1.0 shapes handwritten glyphs", "data.style=handwritten"]),
         (

@@ -131,6 +131,10 @@ class DataConfig:
     # handwritten, with data.augment: the chance that a symbol with other hand-written forms (a bare 1, a looped 2, an
     # open 4, an x of two arcs...: data/handwriting.py ALLOGRAPHS) is drawn in one of them instead of its font's (0..1)
     allographs: float = 0.0
+    # handwritten, with data.augment: the chance that one of the symbols of MORE_FORMS (data/handwriting.py: 0 6 c l s
+    # u v B ( ) 2 \beta and the root's sign, which ALLOGRAPHS leaves to the fonts) is drawn in one of the forms
+    # writers give it there (0..1); 0 draws every image as before
+    more_forms: float = 0.0
     # handwritten, with data.augment: the chance that a script is drawn where writers put it rather than where mathtext
     # does (0..1): a subscript 0.75 times as large, lower and further right, a superscript higher (data/handwriting.py
     # SCRIPT_MOVES, measured on the CROHME training files)

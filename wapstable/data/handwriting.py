@@ -160,7 +160,53 @@ ALLOGRAPHS = {
     "\\theta": [[_arc(0.5, 0.5, 0.45, 0.5, -90, 270, 18), [(0.08, 0.5), (0.92, 0.5)]]],
     "\\pi": [[[(0, 0.12), (0.3, 0.02), (1, 0)], [(0.3, 0.05), (0.25, 1)], [(0.72, 0.03), (0.78, 0.9), (0.9, 1)]]],
 }
+
+# More forms, of the frequent CROHME symbols ALLOGRAPHS leaves to the fonts (data.more_forms): a 0 started at its top
+# and overshot, and one left open; a 6 of a curl and of a straight stem; a c closed further and a flat one; a looped l
+# and one with a foot; an s, two u's, two v's, two B's; brackets pointed and flat in the middle; a one-stroke beta.
+MORE_FORMS = {
+    "0": [[_arc(0.5, 0.5, 0.45, 0.5, -90, -470, 20)], [_arc(0.5, 0.5, 0.42, 0.5, -60, 250, 18)]],
+    "6": [
+        [[(0.8, 0.05), (0.5, 0), (0.22, 0.2), (0.08, 0.55), (0.15, 0.88), (0.45, 1), (0.78, 0.9), (0.88, 0.68),
+          (0.65, 0.5), (0.3, 0.52), (0.1, 0.68)]],
+        [[(0.7, 0), (0.2, 0.6), *_arc(0.5, 0.72, 0.38, 0.28, 180, 540, 14)]],
+    ],
+    "c": [
+        [_arc(0.55, 0.5, 0.45, 0.5, -45, -315, 12)],
+        [[(0.95, 0.15), (0.6, 0), (0.2, 0.15), (0.05, 0.55), (0.3, 0.95), (0.7, 1), (1, 0.85)]],
+    ],
+    "l": [
+        [[(0.05, 0.8), (0.45, 0.45), (0.75, 0.12), (0.6, 0), (0.4, 0.15), (0.3, 0.6), (0.4, 0.95), (0.7, 1),
+          (0.95, 0.85)]],
+        [[(0.35, 0), (0.35, 0.85), (0.55, 1), (0.9, 0.95)]],
+    ],
+    "s": [[[(0.9, 0.12), (0.6, 0), (0.2, 0.05), (0.1, 0.28), (0.5, 0.5), (0.9, 0.72), (0.8, 0.95), (0.4, 1),
+            (0.05, 0.88)]]],
+    "u": [
+        [[(0, 0), (0.03, 0.7), (0.25, 1), (0.65, 0.95), (0.9, 0.55), (0.93, 0), (0.95, 1)]],
+        [[(0, 0), (0.05, 0.7), (0.3, 1), (0.7, 1), (0.95, 0.7), (1, 0)]],
+    ],
+    "v": [[[(0, 0), (0.45, 1), (0.9, 0.1), (1, 0)]], [[(0, 0), (0.3, 0.85), (0.5, 1), (0.7, 0.8), (1, 0)]]],
+    "B": [
+        [[(0.12, 0), (0.1, 1)], [(0.1, 0.02), (0.6, 0), (0.85, 0.12), (0.8, 0.35), (0.45, 0.48), (0.15, 0.5),
+                                 (0.6, 0.52), (0.95, 0.7), (0.9, 0.92), (0.55, 1), (0.1, 0.98)]],
+        [[(0.1, 1), (0.1, 0), (0.7, 0.05), (0.8, 0.3), (0.2, 0.5), (0.85, 0.65), (0.85, 0.95), (0.1, 1)]],
+    ],
+    "(": [[[(1, 0), (0.2, 0.25), (0, 0.5), (0.2, 0.75), (1, 1)]], [[(1, 0), (0.1, 0.15), (0, 0.5), (0.1, 0.85), (1, 1)]]],
+    ")": [[[(0, 0), (0.8, 0.25), (1, 0.5), (0.8, 0.75), (0, 1)]], [[(0, 0), (0.9, 0.15), (1, 0.5), (0.9, 0.85), (0, 1)]]],
+    "\\beta": [[[(0.15, 1), (0.18, 0.3), (0.35, 0.02), (0.65, 0), (0.78, 0.2), (0.45, 0.42), (0.85, 0.55),
+                  (0.9, 0.8), (0.6, 0.95), (0.2, 0.85)]]],
+}
+# Other shapes of a root's sign (data.more_forms), as RADICAL: a plain check, a hooked one, a steep one
+RADICALS = (
+    [(0.05, 0.55), (0.45, 1), (1, 0)],
+    [(0, 0.72), (0.15, 0.55), (0.3, 0.62), (0.5, 1), (1, 0)],
+    [(0.1, 0.5), (0.22, 0.45), (0.3, 1), (1, 0)],
+)
 # fmt: on
+assert (
+    not MORE_FORMS.keys() & ALLOGRAPHS.keys()
+)  # each symbol's forms in one table: data.allographs or more_forms
 
 
 @cache
@@ -205,20 +251,23 @@ def _to_unit(strokes) -> list[np.ndarray]:
     return [np.where(span > 0, (s - lo) / np.where(span > 0, span, 1), 0.5) for s in out]
 
 
-def allograph(c: str, rng: np.random.Generator, chance: float) -> list[np.ndarray] | None:
+def allograph(c: str, rng: np.random.Generator, chance: float, more: float = 0.0) -> list[np.ndarray] | None:
     """With probability `chance` (data.allographs), one of the other forms of glyph `c` (ALLOGRAPHS) in the unit
-    box, each form as likely; else None (the fonts draw it). Draws from `rng` only for a glyph that has other forms,
-    and only when `chance` > 0."""
-    forms = _unit_forms(c) if chance > 0 else ()
-    if not forms or rng.random() >= chance:
+    box, each form as likely; for a glyph of MORE_FORMS, the same with probability `more` (data.more_forms); else
+    None (the fonts draw it). Draws from `rng` only for a glyph that has other forms, and only when its chance > 0."""
+    table, p = ("more", more) if c in MORE_FORMS else ("base", chance)
+    forms = _unit_forms(c, table) if p > 0 else ()
+    if not forms or rng.random() >= p:
         return None
     return forms[int(rng.integers(len(forms)))]
 
 
 @cache
-def _unit_forms(c: str) -> tuple[list[np.ndarray], ...]:
-    """The other forms of glyph `c` (ALLOGRAPHS), each moved and scaled into the unit box once (read-only)."""
-    return tuple(_to_unit(form) for form in ALLOGRAPHS.get(c, ()))
+def _unit_forms(c: str, table: str = "base") -> tuple[list[np.ndarray], ...]:
+    """The other forms of glyph `c` (ALLOGRAPHS, or MORE_FORMS for `table` "more"), each moved and scaled into the
+    unit box once (read-only)."""
+    forms = MORE_FORMS if table == "more" else ALLOGRAPHS
+    return tuple(_to_unit(form) for form in forms.get(c, ()))
 
 
 def _wobble(stroke: np.ndarray, rng: np.random.Generator, amount: float) -> np.ndarray:
@@ -299,18 +348,19 @@ def draw_glyph(
     bank=None,
     distort: float = 0.0,
     allographs: float = 0.0,
+    more_forms: float = 0.0,
 ) -> list[np.ndarray]:
     """The strokes of glyph `c` fitted into `box` (x0, y0, x1, y1, y down) of an expression whose font size is
     `size` (the same units), jittered by `rng` (`jitter` 0 = exactly in the box). With `bank` (ink_bank.Bank),
     a real written sample of the symbol when the bank has one, else the stroke fonts, or with probability
-    `allographs` another hand-written form of the symbol (ALLOGRAPHS). With `distort` > 0 the glyph's shape
+    `allographs` another hand-written form of the symbol (ALLOGRAPHS; MORE_FORMS with `more_forms`). With `distort` > 0 the glyph's shape
     changes too (see `distort_glyph`), with or without the jitter."""
     x0, y0, x1, y1 = (float(v) for v in box)
     real = bank_sample(bank, bank_token(c), rng)
     if real is not None:
         strokes = fit(real, box)
     else:
-        unit = allograph(c, rng, allographs) or unit_strokes(c, text_font)
+        unit = allograph(c, rng, allographs, more_forms) or unit_strokes(c, text_font)
         if unit is None:  # a glyph no source draws: a stroke across its box, so that it is not invisible
             unit = [np.array([(0.0, 0.5), (1.0, 0.5)])]
         w, h = max(x1 - x0, 0.0), max(y1 - y0, 0.0)
@@ -375,14 +425,19 @@ def draw_radical(
     jitter: float,
     size: float,
     bank=None,
+    more_forms: float = 0.0,
 ):
-    """A root's sign and bar as one stroke: the sign in `sign_box`, the bar on to x = `bar_end` at height `bar_y`;
-    with `bank`, a real written root stretched over the same span."""
+    """A root's sign and bar as one stroke: the sign in `sign_box` (RADICAL, or with probability `more_forms` one
+    of RADICALS), the bar on to x = `bar_end` at height `bar_y`; with `bank`, a real written root stretched over the
+    same span."""
     x0, y0, x1, y1 = (float(v) for v in sign_box)
     real = bank_sample(bank, "\\sqrt", rng)
     if real is not None:
         return fit(real, (x0, min(y0, bar_y), bar_end, y1), keep_aspect=False)
-    pts = np.array([(x0 + u * (x1 - x0), y0 + v * (y1 - y0)) for u, v in RADICAL])
+    sign = RADICAL
+    if more_forms > 0 and rng.random() < more_forms:  # no draw at 0: the images stay bit for bit
+        sign = RADICALS[int(rng.integers(len(RADICALS)))]
+    pts = np.array([(x0 + u * (x1 - x0), y0 + v * (y1 - y0)) for u, v in sign])
     pts = np.vstack([pts, [(bar_end, bar_y)]])
     pts[-2, 1] = pts[-1, 1] = min(y0, bar_y)
     if jitter > 0:

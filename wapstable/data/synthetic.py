@@ -51,12 +51,14 @@ GLYPH_STRAYING = {
     "font_mix": 0.0,
     "spacing": 0.0,
     "size_jitter": 0.0,
+    "more_forms": 0.0,
 }
 # the keys of GLYPH_STRAYING that are chances, with what 0 and 1 draw (for the refusal of a value over 1)
 GLYPH_CHANCES = {
     "allographs": ("the fonts' glyphs only", "the other hand-written forms wherever a symbol has them"),
     "script_place": ("every script where mathtext puts it", "every script where writers put it"),
     "font_mix": ("each expression in one stroke font", "a stroke font drawn for every glyph"),
+    "more_forms": ("those symbols as the fonts draw them", "every one of them in one of its other forms"),
 }
 MARGIN = 4  # px of background kept around the ink
 FONTS = ("cm", "stix", "stixsans", "dejavuserif", "dejavusans")
@@ -796,6 +798,7 @@ def render_handwritten(
     font_mix: float = 0.0,
     spacing: float = 0.0,
     size_jitter: float = 0.0,
+    more_forms: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """data.style=handwritten: the image of `tokens` drawn as pen strokes on mathtext's layout (font set `font`
     at `font_size`), rasterised like InkML by `raster` (wapstable.data.crohme.Raster), and its tokens' boxes
@@ -808,7 +811,8 @@ def render_handwritten(
     `font_mix` the chance that a glyph is drawn in a stroke font drawn for it alone (data.font_mix); `spacing` how
     far apart the symbols are set beyond mathtext's spacing, as writers set them (data.spacing, hw.spread_symbols);
     `size_jitter` the spread of the expression's size: its typical symbol drawn raster.symbol_size times
-    exp(N(0, size_jitter)) px (data.size_jitter)."""
+    exp(N(0, size_jitter)) px (data.size_jitter); `more_forms` the chance that a symbol of hw.MORE_FORMS, or a
+    root's sign, is drawn in one of its other forms (data.more_forms)."""
     from wapstable.data import handwriting as hw
     from wapstable.data.crohme import rasterize_traces
 
@@ -824,7 +828,7 @@ def render_handwritten(
         if kind == "g" and _is_radical(c):
             bar = items[k + 1][2] if k + 1 < len(items) and items[k + 1][1] == "r" else None
             end, top = (bar[2], (bar[1] + bar[3]) / 2) if bar is not None else (box[2], box[1])
-            strokes = hw.draw_radical(box, end, top, rng, jitter, font_size, bank)
+            strokes = hw.draw_radical(box, end, top, rng, jitter, font_size, bank, more_forms)
             k += bar is not None  # the bar is drawn with its sign
         elif kind == "r":
             strokes = hw.draw_rule(box, rng, jitter, font_size, bank)
@@ -832,7 +836,9 @@ def render_handwritten(
             glyph_font = text_font
             if font_mix > 0 and rng.random() < font_mix:  # no draw at 0: the images stay bit for bit
                 glyph_font = hw.text_font(rng)
-            strokes = hw.draw_glyph(c, box, font_size, glyph_font, rng, jitter, bank, distort, allographs)
+            strokes = hw.draw_glyph(
+                c, box, font_size, glyph_font, rng, jitter, bank, distort, allographs, more_forms
+            )
         drawn += [(owners[k], s) for s in strokes]
         k += 1
     if not drawn:
@@ -888,6 +894,7 @@ def _render_chunk(job: tuple) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]
         font_mix,
         spacing,
         size_jitter,
+        more_forms,
     ) = job
     out, failures = [], box_failures
     unmatched = (
@@ -917,6 +924,7 @@ def _render_chunk(job: tuple) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]
                     font_mix=font_mix if augment else 0.0,
                     spacing=spacing if augment else 0.0,
                     size_jitter=size_jitter if augment else 0.0,
+                    more_forms=more_forms if augment else 0.0,
                 )
                 unmatched += bool(np.isnan(boxes).all())
                 out.append((image, boxes))
@@ -977,6 +985,7 @@ def _render_all(labels: dict[str, list[list[str]]], cfg, params: dict) -> dict[s
                     params.get("font_mix", GLYPH_STRAYING["font_mix"]),
                     params.get("spacing", GLYPH_STRAYING["spacing"]),
                     params.get("size_jitter", GLYPH_STRAYING["size_jitter"]),
+                    params.get("more_forms", GLYPH_STRAYING["more_forms"]),
                 )
             )
             owners.append(split)
@@ -1050,9 +1059,10 @@ def _check_glyphs(cfg) -> None:
 
 
 def _straying(cfg) -> dict[str, float]:
-    """data.jitter, data.distort, data.allographs, data.script_place, data.font_mix, data.spacing and data.size_jitter
-    where they are not at their defaults (GLYPH_STRAYING); a config from before they existed has the defaults. A
-    negative or NaN value is refused, a chance (data.allographs, data.script_place, data.font_mix) over 1, and
+    """data.jitter, data.distort, data.allographs, data.script_place, data.font_mix, data.spacing, data.size_jitter
+    and data.more_forms where they are not at their defaults (GLYPH_STRAYING); a config from before they existed has the defaults. A
+    negative or NaN value is refused, a chance (data.allographs, data.script_place, data.font_mix,
+    data.more_forms) over 1, and
     data.size_jitter over 1 (a spread of e times the size either way, nothing a writer does)."""
     values = {name: float(getattr(cfg, name, default)) for name, default in GLYPH_STRAYING.items()}
     for name, v in values.items():
@@ -1062,7 +1072,7 @@ def _straying(cfg) -> dict[str, float]:
                 "leaves its shape alone, data.allographs=0 draws every glyph as the fonts do, data.script_place=0 "
                 "leaves every script where mathtext puts it, data.font_mix=0 draws an expression in one font, "
                 "data.spacing=0 keeps mathtext's spacing, data.size_jitter=0 draws every expression at "
-                "data.symbol_size)"
+                "data.symbol_size, data.more_forms=0 draws the symbols of MORE_FORMS as the fonts do)"
             )
     for name, (zero, one) in GLYPH_CHANCES.items():
         if values[name] > 1:
