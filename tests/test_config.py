@@ -65,6 +65,10 @@ def test_experiment_presets(name):
         )
         assert cfg.data.scale == "symbol" and cfg.data.glyphs == "fonts" and cfg.data.root is None
         assert (cfg.data.jitter, cfg.data.distort) == (1.5, 1.0)  # the glyph variety it was measured with
+        # run M1's keys: other forms of most symbols, scripts where writers put them, dropout and label smoothing
+        assert (cfg.data.allographs, cfg.data.more_forms, cfg.data.script_place) == (0.8, 0.8, 0.7)
+        assert (cfg.model.dropout, cfg.model.label_smoothing) == (0.3, 0.1)
+        assert list(cfg.decode.scales) == [1.0, 0.85, 0.7]  # each test image also read shrunk
         assert dict(cfg.data.test_sets) == {"2014": "TestEM2014GT", "2016": "TEST2016_INKML_GT"}
         assert 0 < cfg.trainer.max_minutes <= 55 and cfg.decode.final_beam_size == 10
         return

@@ -481,6 +481,7 @@ def test_experiment_handwritten_tests_on_crohme_folders(tmp_path, cache_dir):
     for entry in metrics["test_sets"].values():
         assert entry["total"] == entry["read"] == len(QUIRKS)
     assert metrics["steps"] == 4
+    assert metrics["test_scales"] == [1.0, 0.85, 0.7]  # the preset reads each test image at three sizes
     # the checkpoint tested again by evaluate.py on one of the sets: its own data config, the 2016 entry removed
     from test_evaluate import script
 

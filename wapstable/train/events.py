@@ -331,6 +331,7 @@ class RunEvents:
             "test_exprate": test["exprate"],
             "test_wer": test["wer"],
             "test_within_1": test["within_1"],
+            "test_scales": [float(v) for v in self.cfg.decode.scales],
             "test_sets": {
                 name: {
                     k: r[k] for k in ("total", "read", "exprate", "within_1", "within_2", "within_3", "wer")
