@@ -73,6 +73,8 @@ def test_experiment_presets(name):
         # twice the drawings of run M1 (runs N2, N3), 2 minutes less training so that the command fits in 60
         assert cfg.data.num_train == 40000 and cfg.trainer.max_minutes == 48
         assert cfg.decode.final_beam_size == 10
+        # symbols as often as the CROHME training labels use them (run Q2); readings length-normalised as in WAP
+        assert cfg.data.frequencies == "crohme" and cfg.decode.length_power == 1.0
         return
     # every CROHME preset reads the published layout: TrainINKML, a held-out validation split, two test sets
     assert cfg.data.train == "TrainINKML" and cfg.data.valid is None and cfg.data.valid_fraction > 0

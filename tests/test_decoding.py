@@ -153,10 +153,13 @@ def all_sequences(n_tokens: int, max_len: int) -> list[list[int]]:
     return [list(s) for n in range(max_len + 1) for s in itertools.product(range(1, n_tokens + 1), repeat=n)]
 
 
-def exhaustive_scores(model, x, mask, seqs: list[list[int]], max_len: int) -> torch.Tensor:
+def exhaustive_scores(
+    model, x, mask, seqs: list[list[int]], max_len: int, length_power: float = 1.0
+) -> torch.Tensor:
     """(B, S) the score of every sequence for every image, as beam_search defines it, from the model's own
     teacher-forced log-probabilities: the sum over its tokens, and over the <eol> that ends it when it is shorter
-    than max_len, divided by the number of tokens summed (a max_len sequence has no <eol>: decoding stops there)."""
+    than max_len, divided by the number of tokens summed ** length_power (a max_len sequence has no <eol>: decoding
+    stops there)."""
     B, S = x.size(0), len(seqs)
     y = torch.zeros(S, max_len, dtype=torch.long)  # the tokens, then <eol> (0), padded with 0
     counted = torch.zeros(S, max_len)
@@ -167,7 +170,7 @@ def exhaustive_scores(model, x, mask, seqs: list[list[int]], max_len: int) -> to
     with torch.no_grad():
         logits = model(x.repeat_interleave(S, 0), mask.repeat_interleave(S, 0), y)
     logp = F.log_softmax(logits.float(), -1).gather(-1, y[..., None]).squeeze(-1)  # (B*S, T)
-    return ((logp * counted).sum(1) / counted.sum(1)).view(B, S)
+    return ((logp * counted).sum(1) / counted.sum(1) ** length_power).view(B, S)
 
 
 # (vocabulary without <eol>, max_len, seed, gain): each case has a best that greedy misses for some image; the
@@ -205,6 +208,49 @@ def test_beam_search_finds_the_exhaustive_best(n_tokens, max_len, seed, gain):
     found = torch.stack([scores[b, seqs.index(s)] for b, s in enumerate(beam)])
     torch.testing.assert_close(found, top.values[:, 0], atol=1e-5, rtol=0)
     assert beam_search(model, x, mask, 1, max_len) == greedy
+
+
+def sharpened(seed: int, n_tokens: int, gain: float):
+    model = tiny_model(seed=seed, vocab_size=n_tokens + 1).eval()
+    with torch.no_grad():
+        for p in model.parser.parameters():
+            p.mul_(gain)
+        model.parser.init_h.weight.mul_(30.0)
+    return model
+
+
+def test_length_power_picks_the_exhaustive_best_of_its_own_score():
+    """decode.length_power: a beam that prunes nothing returns the best of all sequences under log-prob /
+    length ** power, for 0 (the plain log-prob) and 0.5 as for 1; and the power changes what is picked (shorter
+    readings at 0), so a power that is ignored fails here."""
+    changed = 0
+    for n_tokens, max_len, seed, gain in EXHAUSTIVE:
+        model = sharpened(seed, n_tokens, gain)
+        x, mask, _, _ = batch()
+        seqs = all_sequences(n_tokens, max_len)
+        picks = {}
+        for power in (1.0, 0.5, 0.0):
+            scores = exhaustive_scores(model, x, mask, seqs, max_len, power)
+            best = [seqs[i] for i in scores.argmax(1).tolist()]
+            out: list[float] = []
+            picks[power] = beam_search(model, x, mask, len(seqs), max_len, scores_out=out, length_power=power)
+            assert picks[power] == best
+            found = torch.stack([scores[b, seqs.index(s)] for b, s in enumerate(best)])
+            torch.testing.assert_close(torch.tensor(out), found, atol=1e-5, rtol=0)
+        changed += sum(a != b for a, b in zip(picks[1.0], picks[0.0]))
+        assert sum(map(len, picks[0.0])) <= sum(map(len, picks[1.0]))
+    assert changed > 0
+
+
+def test_length_power_is_checked_before_a_run(tmp_path, cache_dir):
+    from conftest import run_train
+
+    for bad in ("-0.5", "3", "nan"):
+        proc = run_train(
+            ["debug=tiny", f"decode.length_power={bad}"], tmp_path / "run", cache_dir, check=False
+        )
+        assert proc.returncode != 0 and "decode.length_power=" in proc.stderr + proc.stdout
+        assert not (tmp_path / "run" / "metrics.json").exists()
 
 
 @pytest.mark.parametrize("beam_size", [1, 3])

@@ -50,6 +50,37 @@ def test_base_grammar_is_unchanged_by_the_option():
     assert params["symbols"] == "crohme" and params["style"] == "handwritten" and "hershey" in params
 
 
+def test_crohme_frequencies_weigh_symbols_as_the_training_labels_do():
+    """data.frequencies=crohme: every dictionary symbol still drawn, but 1 and 2 far more often than 7 and 8, x
+    than w, and scripts inside fractions (the "x ^ { 2 } }" of real labels); the grammar's own labels unchanged."""
+    before = S.generate_expressions(800, seed=5, difficulty=2, symbols="crohme")
+    weighted = S.generate_expressions(2500, seed=0, difficulty=2, symbols="crohme", frequencies="crohme")
+    assert S.generate_expressions(800, seed=5, difficulty=2, symbols="crohme") == before
+    counts = Counter(t for tokens in weighted for t in tokens)
+    assert set(counts) == set(CROHME_2014_SYMBOLS), sorted(set(CROHME_2014_SYMBOLS) - set(counts))
+    old = Counter(t for tokens in before for t in tokens)
+    share = {k: c / sum(counts.values()) for k, c in counts.items()}
+    old_share = {k: c / sum(old.values()) for k, c in old.items()}
+    assert share["2"] > 3 * share["7"] and share["1"] > 3 * share["8"] and share["x"] > 5 * share["w"]
+    assert old_share["2"] < 2 * old_share["7"]  # what the grammar alone draws: digits about alike
+    assert share["\\prime"] < old_share["\\prime"] / 1.5 and share["\\frac"] > old_share["\\frac"]
+
+    def nested(labels):  # scripts closing inside another group
+        return sum(" } }" in " ".join(t) for t in labels) / len(labels)
+
+    assert nested(weighted) > 3 * nested(before)
+    lengths = [len(t) for t in weighted]
+    assert 8 <= np.median(lengths) <= 16 and 18 <= np.percentile(lengths, 90) <= 40
+    # a key of the cache only when set, and only with the CROHME symbols
+    cfg = compose_config(["data.symbols=crohme"]).data
+    assert "frequencies" not in S._cache_params(cfg)
+    cfg.frequencies = "crohme"
+    assert S._cache_params(cfg)["frequencies"] == "crohme"
+    cfg.symbols = "base"
+    with pytest.raises(UserError, match="set data.symbols=crohme"):
+        S._cache_params(cfg)
+
+
 def first_with(labels, symbol):
     return next(tokens for tokens in labels if symbol in tokens)
 
@@ -482,6 +513,10 @@ def test_experiment_handwritten_tests_on_crohme_folders(tmp_path, cache_dir):
         assert entry["total"] == entry["read"] == len(QUIRKS)
     assert metrics["steps"] == 4
     assert metrics["test_scales"] == [1.0, 0.85, 0.7]  # the preset reads each test image at three sizes
+    assert metrics["test_length_power"] == 1.0
+    # its labels come from the grammar weighed as the CROHME training labels are (data.frequencies=crohme)
+    params = [json.loads(str(np.load(f)["params"])) for f in cache_dir.rglob("synthetic/*/splits.npz")]
+    assert any(p.get("frequencies") == "crohme" and p["num_train"] == 40 for p in params)
     # the checkpoint tested again by evaluate.py on one of the sets: its own data config, the 2016 entry removed
     from test_evaluate import script
 
@@ -574,6 +609,8 @@ def test_size_jitter_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
             ["data.size_jitter=0.2 shapes handwritten glyphs", "data.style=handwritten"],
         ),
         (["data.style=handwritten", "data.size_jitter=-0.1"], ["data.size_jitter=-0.1 must be >= 0"]),
+        (["data.frequencies=crohme"], ["data.frequencies=crohme weighs", "set data.symbols=crohme"]),
+        (["data.symbols=crohme", "data.frequencies=often"], ["data.frequencies", "grammar", "crohme"]),
         (["data.style=handwritten", "data.size_jitter=3"], ["data.size_jitter=3.0 is a spread", "between 0"]),
         (
             ["data.style=handwritten", "data.scale=height", "data.size_jitter=0.2"],

@@ -27,6 +27,7 @@ OnError = StrEnum("OnError", "fail skip")
 InkScale = StrEnum("InkScale", "height symbol")
 InkStyle = StrEnum("InkStyle", "printed handwritten")
 SymbolSet = StrEnum("SymbolSet", "base crohme")
+Frequencies = StrEnum("Frequencies", "grammar crohme")
 GlyphSource = StrEnum("GlyphSource", "fonts crohme")
 BucketBy = StrEnum("BucketBy", "size tokens")
 Schedule = StrEnum("Schedule", "constant cosine step")
@@ -115,6 +116,10 @@ class DataConfig:
     # base: the grammar's 85 symbols; crohme: all 110 of the CROHME 2014 dictionary, in the constructions real
     # expressions use them in (functions, limits, lists, primes, sets...), and the CROHME vocabulary
     symbols: SymbolSet = SymbolSet.base
+    # with symbols=crohme, how often each symbol and construction is drawn; grammar: the grammar's own weights (most
+    # symbols alike); crohme: as often as in the CROHME 2014 training labels (their symbol counts, text only, mixed
+    # a quarter with uniform so that rare symbols are still drawn), scripts inside fractions and roots as they use them
+    frequencies: Frequencies = Frequencies.grammar
     # printed: filled font outlines; handwritten: the same layout drawn as jittered pen strokes (stroke fonts),
     # rasterised like data=crohme's ink (data.scale, height, symbol_size, line_width)
     style: InkStyle = InkStyle.printed
@@ -263,6 +268,9 @@ class DecodeConfig:
     # keeps the reading of highest log-prob / length; [1.0] reads it as it is (docs/handwriting.md, "Reading at
     # several sizes")
     scales: list[float] = field(default_factory=lambda: [1.0])
+    # beam search (and decode.scales) picks the reading of highest log-prob / length ** length_power: 1 as WAP
+    # (length-normalised), 0 the plain log-prob (shorter readings favoured), between the two a compromise
+    length_power: float = 1.0
 
 
 @dataclass

@@ -37,6 +37,7 @@ from wapstable.config import CONF_DIR, checkpoint_config, register_configs
 from wapstable.data.batches import SPLITS, check_labels, load_splits
 from wapstable.errors import UserError
 from wapstable.eval.evaluation import (
+    check_length_power,
     check_scales,
     combine_sets,
     evaluate_samples,
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     if beam <= 0 or cfg.decode.max_len <= 0:
         raise UserError("decode.beam_size and decode.max_len must be positive")
     check_scales(cfg.decode.scales)
+    check_length_power(cfg.decode.get("length_power", 1.0))
     device = resolve_device(cfg.trainer.device)
     threads = resolve_threads(cfg.trainer.threads)
     if threads > 0:
@@ -177,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             device,
             predictions=predictions,
             scales=tuple(cfg.decode.scales),
+            length_power=float(cfg.decode.get("length_power", 1.0)),
         )
 
     sets = splits.report["test_sets"] if split == "test" else {}
@@ -201,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         "data": d.name,
         "beam_size": beam,
         "scales": [float(v) for v in cfg.decode.scales],
+        "length_power": float(cfg.decode.get("length_power", 1.0)),
         "max_len": cfg.decode.max_len,
         "seconds": round(seconds, 2),
     }

@@ -108,6 +108,7 @@ class _Grammar:
     operators, op_weights = OPERATORS, OP_WEIGHTS
     relations, rel_weights = RELATIONS, REL_WEIGHTS
     structures = STRUCTURES
+    p_minus = 0.1  # the chance that a side starts with a minus
 
     def __init__(self, rng: np.random.Generator, difficulty: int):
         if difficulty not in LEVELS:
@@ -131,7 +132,7 @@ class _Grammar:
 
     def side(self, depth: int, terms: tuple[int, int]) -> list[str]:
         n = int(self.rng.integers(terms[0], terms[1] + 1))
-        out = ["-"] if self.rng.random() < 0.1 else []
+        out = ["-"] if self.rng.random() < self.p_minus else []
         for i in range(n):
             if i:
                 out.append(self.pick(self.operators, self.op_weights))
@@ -365,14 +366,92 @@ class _CrohmeGrammar(_Grammar):
         return out
 
 
+# data.frequencies=crohme: how often each symbol occurs in the labels of the CROHME 2014 training set (8,834
+# expressions; the structure tokens { } ^ _ left out), counted once from their text. No image is used.
+CROHME_COUNTS = {
+    '1': 6207, '2': 6190, '+': 5406, 'x': 5031, '-': 4305, '(': 3939, ')': 3939, '\\frac': 3626, '=': 3612,
+    'a': 2473, '3': 2455, 'n': 2238, '\\sqrt': 1791, '0': 1790, 'y': 1765, '4': 1635, 'b': 1598, 'z': 1074,
+    'd': 1063, '5': 1003, 'i': 959, 'c': 941, '6': 795, '\\sin': 783, '7': 749, '9': 728, '8': 728, 't': 690,
+    'f': 676, '\\sum': 625, 'k': 619, ',': 617, '\\int': 605, '\\times': 596, '\\cos': 575, 'p': 565, '\\theta': 544,
+    '\\pi': 498, 'r': 487, 'm': 477, 'e': 463, '|': 448, '\\alpha': 383, '\\infty': 376, 'g': 347, '[': 339,
+    ']': 339, 'u': 321, 'q': 309, 'j': 301, '\\rightarrow': 298, '\\beta': 295, '\\lim': 291, '\\tan': 286, 'v': 285,
+    'X': 279, 'A': 277, 'h': 270, '\\log': 266, '.': 258, 'C': 258, 'B': 239, 's': 234, '\\leq': 221, '/': 195,
+    'R': 187, 'F': 168, '\\pm': 153, '\\div': 152, 'l': 151, '\\cdots': 148, '\\geq': 147, 'E': 145, '\\cdot': 145,
+    'o': 143, 'w': 139, 'L': 136, 'N': 135, 'Y': 117, 'S': 117, '\\neq': 112, '<': 106, 'V': 106, 'P': 106, 'H': 100,
+    'M': 99, '!': 98, 'T': 97, '\\ldots': 92, '\\gamma': 90, 'G': 88, '\\phi': 83, '\\{': 69, '\\}': 69, 'I': 69,
+    '\\prime': 64, '>': 56, '\\sigma': 52, '\\mu': 46, '\\Delta': 35, '\\lambda': 27, "'": 18, '\\in': 14,
+    '\\forall': 8, '\\exists': 4,
+}  # fmt: skip
+UNIFORM_SHARE = 0.25  # each choice among symbols: 3/4 as CROHME's counts weigh them, 1/4 alike
+
+
+def crohme_weights(items) -> np.ndarray:
+    """Weights of a choice among symbols: their shares of CROHME_COUNTS, mixed a quarter with uniform."""
+    counts = np.asarray([CROHME_COUNTS[i] for i in items], dtype=float)
+    return (1 - UNIFORM_SHARE) * counts / counts.sum() + UNIFORM_SHARE / len(items)
+
+
+class _CrohmeFrequencyGrammar(_CrohmeGrammar):
+    """The CROHME grammar with each symbol and construction drawn about as often as the CROHME 2014 training
+    labels use it (data.frequencies=crohme): 1 and 2 more than 7 and 8, x more than w, fractions and scripts more,
+    primes, factorials, bars and lists less, and scripted atoms (x ^ { 2 }, a _ { 1 }) inside fractions and
+    roots, where the grammar's structures do not nest at difficulty 2."""
+
+    op_weights = list(crohme_weights(FULL_OPERATORS))
+    rel_weights = list(crohme_weights(FULL_RELATIONS))
+    p_minus = 0.03
+
+    def __init__(self, rng: np.random.Generator, difficulty: int):
+        super().__init__(rng, difficulty)
+        self.level = self.level._replace(p_rel=max(self.level.p_rel, 0.45))  # an = in 41 % of the labels
+        # frac, script, sqrt, bracket, bigop, function, lim, list, abs
+        kinds = np.asarray([0.4, 0.3, 0.2, 0.12, 0.14, 0.12, 0.04, 0.05, 0.04])
+        self.kind_p = kinds / kinds.sum()
+
+    def pick(self, items, p=None):
+        if p is None and len(items) > 1 and all(isinstance(i, str) and i in CROHME_COUNTS for i in items):
+            p = crohme_weights(items)
+        return super().pick(items, p)
+
+    def atoms(self) -> list[str]:
+        r = self.rng.random()
+        if r < 0.28:
+            return self.number()
+        if r < 0.58:
+            return [self.pick(FULL_LETTERS)]
+        if r < 0.72:  # x ^ { 2 }, a _ { 1 }: a script in any term, fractions and roots too
+            base = self.pick(FULL_LETTERS) if self.rng.random() < 0.85 else self.pick(FULL_GREEK)
+            return [base, "^" if self.rng.random() < 0.6 else "_", "{", *self.script_body(0), "}"]
+        if r < 0.79:
+            return [self.pick(FULL_GREEK)]
+        if r < 0.88:
+            return [self.pick(DIGITS[2:]), self.pick(FULL_LETTERS[:26])]
+        if r < 0.94:
+            return self.function(0)
+        if r < 0.955:
+            out = [self.pick(["f", "g", "y", "x", "u"]), "^", "{", self.pick(["\\prime", "'"]), "}"]
+            return out + (["(", self.pick(["x", "t", "c"]), ")"] if self.rng.random() < 0.6 else [])
+        if r < 0.985:
+            return [*self.number(), ".", *(self.pick(DIGITS) for _ in range(int(self.rng.integers(1, 3))))]
+        return [self.pick(["n", "k", *DIGITS[2:]]), "!"]
+
+
+GRAMMARS = {
+    ("base", "grammar"): _Grammar,
+    ("crohme", "grammar"): _CrohmeGrammar,
+    ("crohme", "crohme"): _CrohmeFrequencyGrammar,
+}
+
+
 def _unique_expressions(
     n: int,
     rng: np.random.Generator,
     difficulty: int,
     exclude: frozenset[str] = frozenset(),
     symbols: str = "base",
+    frequencies: str = "grammar",
 ) -> list[list[str]]:
-    grammar = (_CrohmeGrammar if symbols == "crohme" else _Grammar)(rng, difficulty)
+    grammar = GRAMMARS[symbols, frequencies](rng, difficulty)
     seen, out = set(exclude), []
     for _ in range(100 * n + 1000):
         if len(out) == n:
@@ -397,9 +476,11 @@ def _rng(seed: int, *tags: int) -> np.random.Generator:
 _PUBLIC, _LABELS, _RENDER = 0, 1, 2
 
 
-def generate_expressions(n: int, seed: int, difficulty: int, symbols: str = "base") -> list[list[str]]:
+def generate_expressions(
+    n: int, seed: int, difficulty: int, symbols: str = "base", frequencies: str = "grammar"
+) -> list[list[str]]:
     """`n` distinct random expressions as CROHME-style token lists, the same for the same seed."""
-    return _unique_expressions(n, _rng(seed, _PUBLIC), difficulty, symbols=symbols)
+    return _unique_expressions(n, _rng(seed, _PUBLIC), difficulty, symbols=symbols, frequencies=frequencies)
 
 
 def tokens_to_mathtext(tokens: list[str]) -> str:
@@ -1020,6 +1101,11 @@ def _cache_params(cfg) -> dict:
             _font_properties(font, int(cfg.font_size))  # an unknown font set fails here, not in a worker
         except ValueError as e:
             raise UserError(f"data.fonts: {e}") from None
+    if _key(cfg, "frequencies") != "grammar" and _key(cfg, "symbols") != "crohme":
+        raise UserError(
+            f"data.frequencies={_key(cfg, 'frequencies')} weighs the symbols of the CROHME dictionary; "
+            "set data.symbols=crohme with it, or data.frequencies=grammar"
+        )
     if min(cfg.num_train, cfg.num_valid, cfg.num_test) < 0:
         raise UserError("data.num_train, num_valid and num_test must not be negative")
     return dict(
@@ -1039,13 +1125,20 @@ def _cache_params(cfg) -> dict:
         numpy=np.__version__,
         # only when not the default, so that the caches of default configs stay valid
         **({"symbols": _key(cfg, "symbols")} if _key(cfg, "symbols") != "base" else {}),
+        **({"frequencies": _key(cfg, "frequencies")} if _key(cfg, "frequencies") != "grammar" else {}),
         **(_handwriting_params(cfg) if _key(cfg, "style") == "handwritten" else {}),
     )
 
 
 def _key(cfg, name: str) -> str:
     """A data key that selects what is drawn, as a string; a config from before it existed has its default."""
-    return str(getattr(cfg, name, {"symbols": "base", "style": "printed", "glyphs": "fonts"}[name]))
+    return str(
+        getattr(
+            cfg,
+            name,
+            {"symbols": "base", "style": "printed", "glyphs": "fonts", "frequencies": "grammar"}[name],
+        )
+    )
 
 
 def _check_glyphs(cfg) -> None:
@@ -1182,7 +1275,12 @@ def build_splits(cfg) -> dict[str, list[Sample]]:
     for code, split in reversed(list(enumerate(SPLITS))):
         rng = _rng(params["seed"], _LABELS, code)
         labels[split] = _unique_expressions(
-            params[f"num_{split}"], rng, params["difficulty"], taken, params.get("symbols", "base")
+            params[f"num_{split}"],
+            rng,
+            params["difficulty"],
+            taken,
+            params.get("symbols", "base"),
+            params.get("frequencies", "grammar"),
         )
         taken = taken | {" ".join(t) for t in labels[split]}
     images = _render_all(labels, cfg, params)

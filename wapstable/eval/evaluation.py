@@ -58,9 +58,10 @@ def decode(
     max_len: int,
     return_attention: bool = False,
     scores_out: list | None = None,
+    length_power: float = 1.0,
 ):
     """Greedy for beam_size 1, else beam search: token indices per image (and attention maps if asked; each pick's
-    log-prob / length into `scores_out` if given)."""
+    log-prob / length ** length_power into `scores_out` if given)."""
     if beam_size > 1:
         return beam_search(
             model,
@@ -70,9 +71,16 @@ def decode(
             max_len,
             return_attention=return_attention,
             scores_out=scores_out,
+            length_power=length_power,
         )
     return greedy_decode(
-        model, images, image_mask, max_len, return_attention=return_attention, scores_out=scores_out
+        model,
+        images,
+        image_mask,
+        max_len,
+        return_attention=return_attention,
+        scores_out=scores_out,
+        length_power=length_power,
     )
 
 
@@ -102,16 +110,33 @@ def check_scales(scales) -> None:
         )
 
 
-def decode_scales(model, images, image_mask, beam_size: int, max_len: int, scales: Sequence[float] = (1.0,)):
+def check_length_power(value) -> None:
+    """decode.length_power: a number in [0, 2]; else a UserError naming the value."""
+    if not 0.0 <= float(value) <= 2.0:  # NaN fails too
+        raise UserError(
+            f"decode.length_power={value} must be in [0, 2]: 1 divides each reading's log-prob by its length "
+            "(as WAP), 0 not at all"
+        )
+
+
+def decode_scales(
+    model,
+    images,
+    image_mask,
+    beam_size: int,
+    max_len: int,
+    scales: Sequence[float] = (1.0,),
+    length_power: float = 1.0,
+):
     """Token indices per image, read at every scale of `scales` (decode.scales, test-time): for each image, the
-    reading whose log-prob / length is highest. One scale (the default, 1) is plain `decode`."""
+    reading whose log-prob / length ** length_power is highest. One scale (the default, 1) is plain `decode`."""
     if len(scales) == 1 and scales[0] == 1.0:
-        return decode(model, images, image_mask, beam_size, max_len)
+        return decode(model, images, image_mask, beam_size, max_len, length_power=length_power)
     best: list[tuple[float, list[int]]] = []
     for factor in scales:
         scores: list[float] = []
         x, m = rescale(images, image_mask, float(factor))
-        seqs = decode(model, x, m, beam_size, max_len, scores_out=scores)
+        seqs = decode(model, x, m, beam_size, max_len, scores_out=scores, length_power=length_power)
         if not best:
             best = list(zip(scores, seqs))
         else:
@@ -132,13 +157,15 @@ def evaluate_samples(
     loss_fn: Callable | None = None,
     predictions: list | None = None,
     scales: Sequence[float] = (1.0,),
+    length_power: float = 1.0,
 ) -> dict:
     """Decode every sample in WAP-style batches and score it: ExpressionMetrics.compute()'s dict.
 
     `loss_fn(model, batch)`, when given, is the teacher-forced loss of a batch; its sample-weighted mean is added as
     result["loss"]. `predictions`, when given, receives one dict per sample: its id, reference and predicted tokens
     and their edit distance. `scales` (decode.scales) reads every image at each of those scales and keeps the most
-    likely reading (`decode_scales`). The model is put in eval mode for the evaluation and back in its former mode
+    likely reading (`decode_scales`), each reading's log-prob divided by its length ** `length_power`
+    (decode.length_power). The model is put in eval mode for the evaluation and back in its former mode
     after.
     """
     was_training = model.training
@@ -150,7 +177,9 @@ def evaluate_samples(
             batch = collate([samples[i] for i in idx], vocab).to(device)
             if loss_fn is not None:
                 total_loss += float(loss_fn(model, batch)) * len(idx)
-            hyps = decode_scales(model, batch.images, batch.image_mask, beam_size, max_len, scales)
+            hyps = decode_scales(
+                model, batch.images, batch.image_mask, beam_size, max_len, scales, length_power
+            )
             preds = [vocab.decode(h) for h in hyps]
             refs = [samples[i].tokens for i in idx]
             distances = metrics.update(preds, refs)

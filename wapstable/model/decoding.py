@@ -18,9 +18,11 @@ def greedy_decode(
     max_len: int,
     return_attention: bool = False,
     scores_out: list | None = None,
+    length_power: float = 1.0,
 ) -> list[list[int]] | tuple[list[list[int]], list[Tensor]]:
     """The most likely token at each step, until `<eol>` or `max_len` tokens. `scores_out`, when given, receives each
-    image's log-prob / length (the length counting the `<eol>` where there is one), as beam_search scores."""
+    image's log-prob / length ** `length_power` (the length counting the `<eol>` where there is one), as
+    beam_search scores."""
     B = images.size(0)
     state = model.init_state(*model.encode(images, image_mask))
     prev = torch.full((B,), model.start_index, dtype=torch.long, device=images.device)
@@ -42,7 +44,7 @@ def greedy_decode(
             break
     seqs = [seq[: seq.index(0)] if 0 in seq else seq for seq in tokens.tolist()]
     if scores_out is not None:
-        scores_out.extend((total / length.clamp_min(1)).tolist())
+        scores_out.extend((total / length.clamp_min(1) ** length_power).tolist())
     return (seqs, [att[i, : len(seq)] for i, seq in enumerate(seqs)]) if return_attention else seqs
 
 
@@ -55,12 +57,14 @@ def beam_search(
     max_len: int,
     return_attention: bool = False,
     scores_out: list | None = None,
+    length_power: float = 1.0,
 ) -> list[list[int]] | tuple[list[list[int]], list[Tensor]]:
     """WAP's beam search, batched: the K beams of image b are rows b*K .. b*K + K-1 of one decoder batch.
 
     As in WAP's gen_sample, a hypothesis that emits `<eol>` leaves the beam, which then keeps K - (finished) live
     hypotheses; an image is done when K have finished, or at `max_len`, where its live hypotheses compete too.
-    The final pick maximises log-prob / length, the length counting the `<eol>` where there is one; `scores_out`,
+    The final pick maximises log-prob / length ** `length_power` (decode.length_power; 1 as WAP, 0 the plain
+    log-prob, which favours shorter readings), the length counting the `<eol>` where there is one; `scores_out`,
     when given, receives that figure of each image's pick.
     """
     B, K = images.size(0), beam_size
@@ -93,7 +97,11 @@ def beam_search(
             att = torch.cat([att[rows, beam], parent.unsqueeze(2).to(att.dtype)], 2)
         for b, r in ended.nonzero().tolist():
             finished[b].append(
-                (top[b, r].item() / hist.size(2), hist[b, r, :-1].tolist(), _at(att, b, r, -1))
+                (
+                    top[b, r].item() / hist.size(2) ** length_power,
+                    hist[b, r, :-1].tolist(),
+                    _at(att, b, r, -1),
+                )
             )
         n_live = n_live - ended.sum(1)
         scores = top.masked_fill(~live, float("-inf"))
@@ -108,7 +116,11 @@ def beam_search(
         # Still live after max_len steps: they compete too, normalised by their own length (no <eol>).
         for r in (scores[b] > float("-inf")).nonzero().flatten().tolist():
             hyps.append(
-                (scores[b, r].item() / max(hist.size(2), 1), hist[b, r].tolist(), _at(att, b, r, None))
+                (
+                    scores[b, r].item() / max(hist.size(2), 1) ** length_power,
+                    hist[b, r].tolist(),
+                    _at(att, b, r, None),
+                )
             )
         if not hyps:  # every score NaN (a model gone non-finite): an empty hypothesis, not a crash
             hyps.append((float("-inf"), [], _at(att, b, 0, 0)))

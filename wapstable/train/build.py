@@ -17,7 +17,7 @@ from wapstable.config import CONF_DIR, Config, DataConfig, checkpoint_config
 from wapstable.data.batches import BatchStream, check_labels, filter_samples, load_splits, load_vocab
 from wapstable.data.vocab import Vocab
 from wapstable.errors import UserError
-from wapstable.eval.evaluation import check_scales
+from wapstable.eval.evaluation import check_length_power, check_scales
 from wapstable.model.wap import build_model
 from wapstable.stability.clipping import validate_clip_config
 from wapstable.stability.gradstats import validate_stats_config
@@ -85,6 +85,7 @@ def validate_config(cfg: DictConfig) -> None:
     if cfg.decode.max_len <= 0 or cfg.decode.beam_size <= 0 or cfg.decode.final_beam_size <= 0:
         raise UserError("decode.max_len, decode.beam_size and decode.final_beam_size must be positive")
     check_scales(cfg.decode.scales)
+    check_length_power(cfg.decode.length_power)
 
 
 def validate_guide_config(cfg: DictConfig) -> None:

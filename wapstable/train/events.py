@@ -129,6 +129,7 @@ class RunEvents:
             self.device,
             loss_fn=loss_fn,
             scales=tuple(scales),
+            length_power=float(cfg.decode.length_power),
         )
 
     def run_eval(self, progress) -> dict:
@@ -332,6 +333,7 @@ class RunEvents:
             "test_wer": test["wer"],
             "test_within_1": test["within_1"],
             "test_scales": [float(v) for v in self.cfg.decode.scales],
+            "test_length_power": float(self.cfg.decode.length_power),
             "test_sets": {
                 name: {
                     k: r[k] for k in ("total", "read", "exprate", "within_1", "within_2", "within_3", "wer")
