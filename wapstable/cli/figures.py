@@ -134,8 +134,9 @@ def symbol_boxes(out: Path, n: int = 6, seed: int = 1, crohme: Path | None = Non
 
 
 def handwriting(out: Path, n: int = 8, seed: int = 2, crohme: Path | None = None) -> Path:
-    """Rendered handwriting as experiment=handwritten draws it (data.style=handwritten, data.symbols=crohme), with
-    each token's box; with `crohme` (a folder of InkML), real CROHME files beside them, rasterised alike."""
+    """Rendered handwriting as experiment=handwritten draws it (data.style=handwritten, data.symbols=crohme and its
+    data.frequencies), with each token's box; with `crohme` (a folder of InkML), real CROHME files beside them,
+    rasterised alike."""
     from omegaconf import OmegaConf
 
     from wapstable.config import CONF_DIR, DataConfig
@@ -151,7 +152,9 @@ def handwriting(out: Path, n: int = 8, seed: int = 2, crohme: Path | None = None
     # the glyphs as far from the fonts as the preset draws them
     style = {key: float(data[key]) for key in ("jitter", "distort", "allographs")}
     panels = []
-    for i, tokens in enumerate(generate_expressions(n, seed, int(data.difficulty), symbols="crohme")):
+    for i, tokens in enumerate(
+        generate_expressions(n, seed, int(data.difficulty), "crohme", str(data.frequencies))
+    ):
         rng = np.random.default_rng([seed, i])
         image, boxes = render_handwritten(
             tokens, FONTS[i % len(FONTS)], int(data.font_size), rng, raster, **style
@@ -162,7 +165,9 @@ def handwriting(out: Path, n: int = 8, seed: int = 2, crohme: Path | None = None
 
         # the same layouts with real symbols cut from the folder's traceGroups (data.glyphs=crohme)
         bank = load_bank(str(bank_path(Path(crohme), float(data.valid_fraction), data.cache_dir)))
-        for i, tokens in enumerate(generate_expressions(4, seed + 1, int(data.difficulty), symbols="crohme")):
+        for i, tokens in enumerate(
+            generate_expressions(4, seed + 1, int(data.difficulty), "crohme", str(data.frequencies))
+        ):
             rng = np.random.default_rng([seed + 1, i])
             image, boxes = render_handwritten(tokens, "cm", int(data.font_size), rng, raster, 1.0, bank)
             panels.append((image, boxes, tokens, "real symbols in a rendered layout (data.glyphs=crohme)"))
