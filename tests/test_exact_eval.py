@@ -211,9 +211,17 @@ def scripted_decode(monkeypatch):
     def install(samples, vocab):
         model = ScriptedModel(Script(samples, vocab), len(vocab))
 
-        def decode(_model, images, image_mask, beam_size, max_len, return_attention=False):
+        def decode(_model, images, image_mask, beam_size, max_len, return_attention=False, length_power=1.0):
             beams.append(beam_size)
-            return real(model, images, image_mask, beam_size, max_len, return_attention=return_attention)
+            return real(
+                model,
+                images,
+                image_mask,
+                beam_size,
+                max_len,
+                return_attention=return_attention,
+                length_power=length_power,
+            )
 
         monkeypatch.setattr(evaluation, "decode", decode)
         return beams
