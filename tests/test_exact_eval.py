@@ -211,17 +211,9 @@ def scripted_decode(monkeypatch):
     def install(samples, vocab):
         model = ScriptedModel(Script(samples, vocab), len(vocab))
 
-        def decode(_model, images, image_mask, beam_size, max_len, return_attention=False, length_power=1.0):
+        def decode(_model, images, image_mask, beam_size, max_len, **options):
             beams.append(beam_size)
-            return real(
-                model,
-                images,
-                image_mask,
-                beam_size,
-                max_len,
-                return_attention=return_attention,
-                length_power=length_power,
-            )
+            return real(model, images, image_mask, beam_size, max_len, **options)
 
         monkeypatch.setattr(evaluation, "decode", decode)
         return beams

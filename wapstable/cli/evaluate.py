@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     if beam <= 0 or cfg.decode.max_len <= 0:
         raise UserError("decode.beam_size and decode.max_len must be positive")
     check_scales(cfg.decode.scales)
-    check_length_power(cfg.decode.get("length_power", 1.0))
+    length_power = float(cfg.decode.length_power)
+    check_length_power(length_power)
     device = resolve_device(cfg.trainer.device)
     threads = resolve_threads(cfg.trainer.threads)
     if threads > 0:
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             device,
             predictions=predictions,
             scales=tuple(cfg.decode.scales),
-            length_power=float(cfg.decode.get("length_power", 1.0)),
+            length_power=length_power,
         )
 
     sets = splits.report["test_sets"] if split == "test" else {}
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         "data": d.name,
         "beam_size": beam,
         "scales": [float(v) for v in cfg.decode.scales],
-        "length_power": float(cfg.decode.get("length_power", 1.0)),
+        "length_power": length_power,
         "max_len": cfg.decode.max_len,
         "seconds": round(seconds, 2),
     }

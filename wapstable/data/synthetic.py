@@ -16,7 +16,7 @@ import math
 import multiprocessing as mp
 import time
 from contextlib import contextmanager
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import NamedTuple
 
@@ -273,23 +273,46 @@ class _CrohmeGrammar(_Grammar):
             return ["|", *self.side(depth - 1, (1, 2)), "|"]
         return super().structure(kind, depth)
 
+    # the kinds of atom: one draw in [0, 1) takes the first kind whose bound it is under
+    atom_bounds = (
+        (0.25, "number"),
+        (0.55, "letter"),
+        (0.67, "greek"),
+        (0.77, "product"),
+        (0.85, "function"),
+        (0.9, "prime"),
+        (0.95, "decimal"),
+        (1.0, "factorial"),
+    )
+
     def atoms(self) -> list[str]:
         r = self.rng.random()
-        if r < 0.25:
-            return self.number()
-        if r < 0.55:
-            return [self.pick(FULL_LETTERS)]
-        if r < 0.67:
-            return [self.pick(FULL_GREEK)]
-        if r < 0.77:
-            return [self.pick(DIGITS[2:]), self.pick(FULL_LETTERS[:26])]
-        if r < 0.85:
-            return self.function(0)
-        if r < 0.9:  # a prime: f ^ { \prime } ( x ), y ^ { ' }
-            out = [self.pick(["f", "g", "y", "x", "u"]), "^", "{", self.pick(["\\prime", "'"]), "}"]
-            return out + (["(", self.pick(["x", "t", "c"]), ")"] if self.rng.random() < 0.6 else [])
-        if r < 0.95:  # a decimal: 0 . 5, 3 . 1 4
-            return [*self.number(), ".", *(self.pick(DIGITS) for _ in range(int(self.rng.integers(1, 3))))]
+        kind = next(kind for bound, kind in self.atom_bounds if r < bound)
+        return getattr(self, f"atom_{kind}")()
+
+    def atom_number(self) -> list[str]:
+        return self.number()
+
+    def atom_letter(self) -> list[str]:
+        return [self.pick(FULL_LETTERS)]
+
+    def atom_greek(self) -> list[str]:
+        return [self.pick(FULL_GREEK)]
+
+    def atom_product(self) -> list[str]:  # an implicit product, "2 x"
+        return [self.pick(DIGITS[2:]), self.pick(FULL_LETTERS[:26])]
+
+    def atom_function(self) -> list[str]:
+        return self.function(0)
+
+    def atom_prime(self) -> list[str]:  # f ^ { \prime } ( x ), y ^ { ' }
+        out = [self.pick(["f", "g", "y", "x", "u"]), "^", "{", self.pick(["\\prime", "'"]), "}"]
+        return out + (["(", self.pick(["x", "t", "c"]), ")"] if self.rng.random() < 0.6 else [])
+
+    def atom_decimal(self) -> list[str]:  # 0 . 5, 3 . 1 4
+        return [*self.number(), ".", *(self.pick(DIGITS) for _ in range(int(self.rng.integers(1, 3))))]
+
+    def atom_factorial(self) -> list[str]:
         return [self.pick(["n", "k", *DIGITS[2:]]), "!"]
 
     def function(self, depth: int) -> list[str]:
@@ -391,6 +414,14 @@ def crohme_weights(items) -> np.ndarray:
     return (1 - UNIFORM_SHARE) * counts / counts.sum() + UNIFORM_SHARE / len(items)
 
 
+@cache
+def _choice_weights(items: tuple[str, ...]) -> np.ndarray | None:
+    """crohme_weights of a choice among two or more symbols of CROHME_COUNTS; None for any other choice."""
+    if len(items) > 1 and all(i in CROHME_COUNTS for i in items):
+        return crohme_weights(items)
+    return None
+
+
 class _CrohmeFrequencyGrammar(_CrohmeGrammar):
     """The CROHME grammar with each symbol and construction drawn about as often as the CROHME 2014 training
     labels use it (data.frequencies=crohme): 1 and 2 more than 7 and 8, x more than w, fractions and scripts more,
@@ -408,32 +439,28 @@ class _CrohmeFrequencyGrammar(_CrohmeGrammar):
         kinds = np.asarray([0.4, 0.3, 0.2, 0.12, 0.14, 0.12, 0.04, 0.05, 0.04])
         self.kind_p = kinds / kinds.sum()
 
+    atom_bounds = (
+        (0.28, "number"),
+        (0.58, "letter"),
+        (0.72, "scripted"),
+        (0.79, "greek"),
+        (0.88, "product"),
+        (0.94, "function"),
+        (0.955, "prime"),
+        (0.985, "decimal"),
+        (1.0, "factorial"),
+    )
+
     def pick(self, items, p=None):
-        if p is None and len(items) > 1 and all(isinstance(i, str) and i in CROHME_COUNTS for i in items):
-            p = crohme_weights(items)
+        if p is None:
+            p = _choice_weights(tuple(items)) if all(isinstance(i, str) for i in items) else None
         return super().pick(items, p)
 
-    def atoms(self) -> list[str]:
-        r = self.rng.random()
-        if r < 0.28:
-            return self.number()
-        if r < 0.58:
-            return [self.pick(FULL_LETTERS)]
-        if r < 0.72:  # x ^ { 2 }, a _ { 1 }: a script in any term, fractions and roots too
-            base = self.pick(FULL_LETTERS) if self.rng.random() < 0.85 else self.pick(FULL_GREEK)
-            return [base, "^" if self.rng.random() < 0.6 else "_", "{", *self.script_body(0), "}"]
-        if r < 0.79:
-            return [self.pick(FULL_GREEK)]
-        if r < 0.88:
-            return [self.pick(DIGITS[2:]), self.pick(FULL_LETTERS[:26])]
-        if r < 0.94:
-            return self.function(0)
-        if r < 0.955:
-            out = [self.pick(["f", "g", "y", "x", "u"]), "^", "{", self.pick(["\\prime", "'"]), "}"]
-            return out + (["(", self.pick(["x", "t", "c"]), ")"] if self.rng.random() < 0.6 else [])
-        if r < 0.985:
-            return [*self.number(), ".", *(self.pick(DIGITS) for _ in range(int(self.rng.integers(1, 3))))]
-        return [self.pick(["n", "k", *DIGITS[2:]]), "!"]
+    def atom_scripted(
+        self,
+    ) -> list[str]:  # x ^ { 2 }, a _ { 1 }: a script in any term, fractions and roots too
+        base = self.pick(FULL_LETTERS) if self.rng.random() < 0.85 else self.pick(FULL_GREEK)
+        return [base, "^" if self.rng.random() < 0.6 else "_", "{", *self.script_body(0), "}"]
 
 
 GRAMMARS = {
