@@ -22,7 +22,7 @@ CONF_DIR = Path(__file__).parent / "conf"  # config.yaml and one folder per conf
 # overridden (`Invalid value 'x', expected one of [...]`, naming the key), so no module checks them again. A value
 # reads as the plain string: `cfg.clip.mode == "norm"`, and checkpoints store strings (`enum_to_str=True`).
 Watcher = StrEnum("Watcher", "vgg dense")
-DataSource = StrEnum("DataSource", "synthetic crohme wap_pkl")
+DataSource = StrEnum("DataSource", "synthetic crohme wap_pkl images")
 OnError = StrEnum("OnError", "fail skip")
 InkScale = StrEnum("InkScale", "height symbol")
 InkStyle = StrEnum("InkStyle", "printed handwritten")
@@ -102,6 +102,17 @@ class ModelConfig:
 
 
 @dataclass
+class PixelAugConfig:
+    # A fresh augmentation of every training batch (wapstable/data/pixel_aug.py): the batch drawn `scale` [lo, hi]
+    # times as large (log-uniform; [1, 1] = off; CoMER: [0.7, 1.4]), and the chance that an image's pen is made
+    # one px thinner or one or two thicker, that it is blurred, that it is binarised at a random level
+    scale: list[float] = field(default_factory=lambda: [1.0, 1.0])
+    pen: float = 0.0
+    blur: float = 0.0
+    binarize: float = 0.0
+
+
+@dataclass
 class DataConfig:
     name: DataSource = DataSource.synthetic
     cache_dir: str = "${oc.env:WAPSTABLE_CACHE,${oc.env:HOME,.}/.cache/wapstable}"
@@ -157,6 +168,14 @@ class DataConfig:
     # A fresh random affine warp of each training image at every step, boxes moved with it (wapstable/data/warp.py);
     # its strength: 1 = up to 1.5 degrees of rotation, 0.15 of shear, 15 % of shrink, 2 px of shift. 0 = off.
     warp: float = 0.0
+    pixel_aug: PixelAugConfig = field(default_factory=PixelAugConfig)
+    # wap_pkl, images: every image brought to the model's own ink (wapstable/data/normalize.py): polarity, contrast,
+    # symbol size and pen width measured and resampled to the checkpoint's ink statistics (evaluation, resume,
+    # init_from), or for a new model to `ink_stroke` / `ink_symbol` px (as measured on the project's InkML raster
+    # at data.line_width=2, data.symbol_size=24); false = the images as they are
+    normalize: bool = False
+    ink_stroke: float = 2.3
+    ink_symbol: float = 31.0
     seed: int = 0
     render_workers: int = 2
     # real data (crohme: folders of InkML files; wap_pkl: pickles + captions + dictionary)

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(threads)
 
     model = model.to(device)
-    splits = load_splits(d, which=(split,))
+    splits = load_splits(d, which=(split,), ink=model.ink_stats)
     samples = check_labels(splits[split], vocab, d.on_error)
     if not samples:
         raise UserError(f"no {split} sample of data={d.name} is left to evaluate")

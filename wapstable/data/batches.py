@@ -38,10 +38,24 @@ class Batch(NamedTuple):
         return Batch(*(t.to(device, non_blocking=True) for t in self[:4]), self.ids, regions)
 
 
-def load_splits(cfg_data, which: Sequence[str] = SPLITS) -> Splits:
-    """The samples of the data source `data.name` by split; `which` splits to read (an evaluation needs one)."""
+def load_splits(cfg_data, which: Sequence[str] = SPLITS, ink=None) -> Splits:
+    """The samples of the data source `data.name` by split; `which` splits to read (an evaluation needs one).
+
+    With data.normalize, every image is brought to the ink `ink` (an InkStats: a checkpoint's), or for a new
+    model to data.ink_stroke / data.ink_symbol (data/normalize.py)."""
     splits = SOURCES[cfg_data.name](cfg_data, which)
-    return splits if isinstance(splits, Splits) else Splits(splits)
+    splits = splits if isinstance(splits, Splits) else Splits(splits)
+    if cfg_data.get("normalize", False):
+        from wapstable.data.normalize import InkStats, normalize
+
+        target = ink or InkStats(float(cfg_data.ink_stroke), float(cfg_data.ink_symbol))
+        height = int(cfg_data.get("height", 0) or 0)
+        for split, samples in splits.items():
+            splits[split] = [
+                s._replace(image=normalize(s.image, target, height), boxes=None) for s in samples
+            ]
+        log.info("data.normalize: every image brought to a %.2f px pen, symbols %.1f px", *target)
+    return splits
 
 
 def by_test_set(samples: Sequence[Sample]) -> dict[str, list[Sample]]:

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from wapstable.checkpoint import load_checkpoint
 from wapstable.data.batches import collate, make_batches
+from wapstable.data.normalize import InkStats
 from wapstable.data.sample import Sample
 from wapstable.data.vocab import Vocab
 from wapstable.errors import UserError
@@ -29,7 +30,8 @@ MARGIN = 4  # px of background kept around the ink, as the synthetic renderer an
 def load_model(
     ckpt_path: str | Path, device: torch.device | str = "cpu"
 ) -> tuple[torch.nn.Module, Vocab, DictConfig]:
-    """The model of a checkpoint (weights loaded, in eval mode, on `device`), its vocabulary and its config."""
+    """The model of a checkpoint (weights loaded, in eval mode, on `device`), its vocabulary and its config; the
+    model's `ink_stats` is the InkStats of its training images (None for a checkpoint from before they were kept)."""
     if not Path(ckpt_path).is_file():
         raise UserError(
             f"checkpoint {ckpt_path} does not exist; give the path of a .pt file written by train.py"
@@ -47,6 +49,7 @@ def load_model(
     except RuntimeError as e:
         first = str(e).splitlines()[0]
         raise UserError(f"{ckpt_path}: its weights do not fit its own model config ({first})") from None
+    model.ink_stats = InkStats.from_dict(state.get("ink_stats"))
     return model.to(device).eval(), vocab, cfg
 
 

@@ -15,6 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 from wapstable.checkpoint import load_checkpoint
 from wapstable.config import CONF_DIR, Config, DataConfig, checkpoint_config
 from wapstable.data.batches import BatchStream, check_labels, filter_samples, load_splits, load_vocab
+from wapstable.data.normalize import InkStats
+from wapstable.data.pixel_aug import check_pixel_aug
 from wapstable.data.vocab import Vocab
 from wapstable.errors import UserError
 from wapstable.eval.evaluation import check_length_power, check_scales
@@ -70,6 +72,8 @@ def validate_config(cfg: DictConfig) -> None:
         raise UserError(f"data.curriculum_epochs={d.curriculum_epochs} must be >= 0 (0 = no curriculum)")
     if not d.get("warp", 0) >= 0:
         raise UserError(f"data.warp={d.warp} must be >= 0 (0 turns the per-step warp off)")
+    if d.get("pixel_aug") is not None:
+        check_pixel_aug(d.pixel_aug)
     if d.get("redraw", 0) < 0 or not d.get("redraw_strength", 1.0) >= 0:
         raise UserError(
             f"data.redraw={d.redraw} and data.redraw_strength={d.redraw_strength} must be >= 0 (data.redraw=0 "
@@ -222,7 +226,8 @@ def build_data(cfg: DictConfig, resume_state: dict | None) -> tuple[dict, Vocab]
     """The three splits, checked against the vocabulary (the checkpoint's when resuming) and filtered as WAP does;
     with pretrain.mix, rendered expressions join the training split."""
     d = cfg.data
-    splits = load_splits(d)
+    ink = InkStats.from_dict(resume_state.get("ink_stats")) if resume_state is not None else None
+    splits = load_splits(d, ink=ink)
     vocab = Vocab(list(resume_state["vocab"])) if resume_state is not None else load_vocab(d, splits)
     splits["train"] = list(splits["train"]) + rendered_mix(cfg, splits["valid"])
     for split in splits:

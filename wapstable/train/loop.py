@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from wapstable.data.normalize import training_stats
 from wapstable.device import resolve_device
 from wapstable.errors import UserError
 from wapstable.stability.clipping import AutoClipHistory, clip_options, mode_norm_type
@@ -80,6 +81,9 @@ class Trainer(TrainingStep, RunEvents, TrainingState):
 
         # Components, each from its part of the config.
         self.splits, self.vocab = build_data(cfg, self.resume_state)
+        # the ink the model learns from, which every checkpoint records: evaluate.py and predict.py bring other
+        # images to it (data/normalize.py)
+        self.ink_stats = training_stats([s.image for s in self.splits["train"]])
         self.model = build_checked_model(
             cfg, len(self.vocab), self.device, self.resume_state, self.resume_path
         )

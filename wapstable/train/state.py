@@ -47,6 +47,7 @@ class TrainingState:
             "evals": list(self.evals),
             "anomalies": list(self.anomalies),
             "elapsed": self.elapsed(),
+            "ink_stats": self.ink_stats.as_dict() if self.ink_stats is not None else None,
         }
 
     def restore_training(self, state: dict) -> None:

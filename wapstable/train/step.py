@@ -6,6 +6,7 @@ import json
 import logging
 
 from wapstable.checkpoint import rng_state
+from wapstable.data.pixel_aug import active, augment_batch
 from wapstable.data.warp import warp_batch
 from wapstable.errors import TrainingStopped
 from wapstable.model.loss import forward_loss
@@ -26,6 +27,9 @@ class TrainingStep:
             self.cfg.data.get("warp", 0) > 0
         ):  # before the RNG snapshot: an anomaly checkpoint holds the warped batch
             batch = warp_batch(batch, self.cfg.data.warp)
+        aug = self.cfg.data.get("pixel_aug")
+        if active(aug):  # the same: the augmented batch is the one a replay reads
+            batch = augment_batch(batch, aug.scale, aug.pen, aug.blur, aug.binarize)
         rng_before = rng_state() if self.cfg.guard.checkpoint_on_anomaly else None
         result = self.train_step(batch, rng_before)
         self.fault.preempt(self.step)
