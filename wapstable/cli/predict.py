@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     images = []
     for f in args.images:
         try:
-            images.append(prepare_image(read_image(f), args.invert, height, cfg.data.max_image_pixels))
+            images.append(
+                prepare_image(read_image(f), args.invert, height, cfg.data.max_image_pixels, model.ink_stats)
+            )
         except UserError as e:
             raise UserError(f"{f}: {e}" if str(f) not in str(e) else str(e)) from None
     with torch.inference_mode():

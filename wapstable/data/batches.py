@@ -124,11 +124,18 @@ def read_wap_pkl(cfg_data, root: Path, part: str):
     return load_wap_split(root / f"offline-{part}.pkl", root / f"{part}_caption.txt", cfg_data.on_error)
 
 
+def image_splits(cfg_data, which: Sequence[str]) -> Splits:
+    from wapstable.data.images import image_splits
+
+    return image_splits(cfg_data, which)
+
+
 # data.name -> its splits (the schema's DataSource Enum lists the same names): adding a source is one entry here.
 SOURCES = {
     "synthetic": synthetic_splits,
     "crohme": crohme_splits,
     "wap_pkl": partial(read_splits, read_wap_pkl),
+    "images": image_splits,
 }
 
 

@@ -12,7 +12,6 @@ The targets are an `InkStats` measured by the same `measure` on the training ima
 every checkpoint records (`ink_stats`), so evaluate.py and predict.py bring an image to its own model's ink.
 """
 
-import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -45,15 +44,18 @@ class InkStats(NamedTuple):
         return cls(float(d["stroke_width"]), float(d["symbol_size"]))
 
 
-def to_ink(image: np.ndarray) -> np.ndarray:
+def to_ink(image: np.ndarray, polarity: str = "auto") -> np.ndarray:
     """(H, W) bool ink of a grey or colour image of either polarity: the background (most of the border) is what
-    the ink is not; the two are split at Otsu's threshold after the contrast is stretched."""
+    the ink is not; the two are split at Otsu's threshold after the contrast is stretched. `polarity` "bright"
+    takes the bright pixels as ink whatever the border holds."""
     a = np.asarray(image)
     if a.ndim == 3:  # colour (H, W, 3|4) -> luminance
         a = np.asarray(Image.fromarray(a[..., :3].astype(np.uint8)).convert("L"))
     a = a.astype(np.float32)
     border = np.concatenate([a[0], a[-1], a[:, 0], a[:, -1]])
-    if np.median(border) > (a.min() + a.max()) / 2:  # light paper: dark ink becomes bright
+    if (
+        polarity == "auto" and np.median(border) > (a.min() + a.max()) / 2
+    ):  # light paper: dark ink becomes bright
         a = a.max() - a
     lo, hi = np.percentile(a, 1), a.max()
     if hi - lo < 1e-6:
@@ -109,42 +111,44 @@ def _pen(width: float) -> np.ndarray:
     return (yy - c) ** 2 + (xx - c) ** 2 <= (k / 2) ** 2 + 1e-6
 
 
+def core(stats: InkStats) -> float:
+    """A symbol's extent without its pen: what resampling scales (a thicker pen adds its width to every extent)."""
+    return stats.symbol_size - stats.stroke_width
+
+
 def pen_width(stats: InkStats) -> float:
     """The width a stroke is drawn with so that `measure` reads `stats.stroke_width` again: the measure reads a
     k-px pen as about k (area over skeleton length), so the width is the measure, at least 1 px."""
     return max(1.0, stats.stroke_width)
 
 
-def normalize(image: np.ndarray, target: InkStats | None, max_height: int = 0) -> np.ndarray:
+def normalize(
+    image: np.ndarray, target: InkStats | None, max_height: int = 0, polarity: str = "auto"
+) -> np.ndarray:
     """`image` as the model's own pixels: (H, W) uint8, ink 255 on 0, the ink cropped with a MARGIN px border,
     resampled so that its typical symbol is `target.symbol_size` px and redrawn with the training pen. Without a
-    target only polarity and contrast change. `max_height` > 0 shrinks taller results to fit."""
-    ink = to_ink(image)
+    target only polarity and contrast change. `max_height` > 0 shrinks taller results to fit; `polarity` as to_ink's."""
+    ink = to_ink(image, polarity)
     if not ink.any():
         return np.zeros((2 * MARGIN + 1, 2 * MARGIN + 1), np.uint8)
     rows, cols = np.flatnonzero(ink.any(1)), np.flatnonzero(ink.any(0))
     ink = ink[rows[0] : rows[-1] + 1, cols[0] : cols[-1] + 1]
     if target is not None:
         found = measure(ink)
-        factor = target.symbol_size / found.symbol_size if found and found.symbol_size > 0 else 1.0
+        factor = core(target) / core(found) if found and core(found) > 0 else 1.0
         if not SCALE_RANGE[0] <= factor <= SCALE_RANGE[1]:
             factor = 1.0
         h, w = ink.shape
         if max_height > 0 and h * factor > max_height - 2 * MARGIN:
             factor = (max_height - 2 * MARGIN) / h
         size = (max(1, round(w * factor)), max(1, round(h * factor)))
+        pen = pen_width(target)
+        # drawn first with the pen that the resampling brings to the target's, so thin strokes survive a shrink
+        ink = ndi.binary_dilation(skeletonize(ink), structure=_pen(max(1.0, pen / factor)))
         grey = Image.fromarray(ink.astype(np.uint8) * 255).resize(size, Image.Resampling.BILINEAR)
-        ink = np.asarray(grey) >= 96
+        ink = np.asarray(grey) >= 128
         if ink.any():  # the skeleton drawn again with the training pen
-            pen = _pen(pen_width(target))
-            ink = ndi.binary_dilation(skeletonize(ink), structure=pen)
+            ink = ndi.binary_dilation(skeletonize(ink), structure=_pen(pen))
     out = np.zeros((ink.shape[0] + 2 * MARGIN, ink.shape[1] + 2 * MARGIN), np.uint8)
     out[MARGIN : MARGIN + ink.shape[0], MARGIN : MARGIN + ink.shape[1]] = ink.astype(np.uint8) * 255
     return out
-
-
-def scale_factor(found: InkStats | None, target: InkStats) -> float:
-    """How much larger an image must be drawn for its symbols to be `target`'s size (1 when unmeasurable)."""
-    if found is None or found.symbol_size <= 0 or not math.isfinite(found.symbol_size):
-        return 1.0
-    return target.symbol_size / found.symbol_size

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from wapstable.checkpoint import load_checkpoint
 from wapstable.data.batches import collate, make_batches
-from wapstable.data.normalize import InkStats
+from wapstable.data.normalize import InkStats, normalize
 from wapstable.data.sample import Sample
 from wapstable.data.vocab import Vocab
 from wapstable.errors import UserError
@@ -253,9 +253,16 @@ def read_image(path: str | Path) -> np.ndarray:
 
 
 def prepare_image(
-    gray: np.ndarray, invert: str = "auto", height: int | None = None, max_pixels: int | None = None
+    gray: np.ndarray,
+    invert: str = "auto",
+    height: int | None = None,
+    max_pixels: int | None = None,
+    ink: InkStats | None = None,
 ):
     """A gray image in the training convention: ink bright on 0, cropped to the ink plus a margin, scaled.
+
+    With `ink` (a checkpoint's InkStats) and no `height`, the image is brought to that ink (data/normalize.py:
+    polarity, contrast, symbol size and pen width), then shrunk to `max_pixels` if larger. Without it:
 
     invert: "auto" inverts when the background (the median pixel: ink is sparse) is bright, as for a scan or a
     rendering of dark ink on white; "yes" / "no" force it. The background level is then subtracted and the
@@ -265,6 +272,12 @@ def prepare_image(
     """
     if invert not in ("auto", "yes", "no"):
         raise UserError(f"invert={invert!r} is unknown; use auto, yes or no")
+    if ink is not None and not height:
+        if float(gray.max()) - float(gray.min()) < 16:
+            raise UserError("the image has no ink: it is one flat colour")
+        x = 255 - gray if invert == "yes" else gray
+        x = normalize(x, ink, polarity="auto" if invert == "auto" else "bright").astype(np.float32)
+        return shrink(x, max_pixels)
     x = gray.astype(np.float32)
     if invert == "yes" or (invert == "auto" and np.median(x) > 127):
         x = 255.0 - x
@@ -275,6 +288,11 @@ def prepare_image(
     x[x < 32] = 0  # paper texture and JPEG noise would otherwise widen the crop and read as faint strokes
     rows, cols = np.flatnonzero(x.any(1)), np.flatnonzero(x.any(0))
     x = np.pad(x[rows[0] : rows[-1] + 1, cols[0] : cols[-1] + 1], MARGIN)
+    return shrink(x, max_pixels, height)
+
+
+def shrink(x: np.ndarray, max_pixels: int | None, height: int | None = None) -> np.ndarray:
+    """(H, W) float image scaled to `height` rows when given, and shrunk to at most `max_pixels`; as uint8."""
     h, w = x.shape
     scale = height / h if height else 1.0
     if max_pixels and h * w * scale * scale > max_pixels:
