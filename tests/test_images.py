@@ -8,9 +8,9 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT, python_run, run_train
 from PIL import Image, ImageDraw, ImageFont
 
-from conftest import ROOT, python_run, run_train
 from wapstable.data.batches import Batch
 from wapstable.data.crohme import rasterize_traces
 from wapstable.data.normalize import InkStats, measure, normalize, to_ink, training_stats
