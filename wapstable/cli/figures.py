@@ -8,6 +8,9 @@ Each picture comes from the project's own tools, so it shows what a user of them
     samples.png            rendered training samples and their LaTeX (wapstable.data.synthetic, as data=synthetic)
     symbol-boxes.png       the box of each token's symbol over rendered samples (the attention guide's targets)
     handwriting.png        rendered handwriting (data.style=handwritten) with its boxes; --crohme: real ink beside
+    images.png             images from elsewhere before and after data/normalize.py brings them to the model's ink:
+                           a WAP-authors-like bitmap (--wap DIR and --crohme: the real one and the same expression's
+                           InkML), a dark-on-light scan-like image and the project's own raster
     grad-report-fault.png  scripts/grad_report.py on a tiny run fed a NaN batch at step 5 (fault=nan_input)
     sweep-summary.png      scripts/summarize_sweep.py on a tiny grid sweep: clip modes, without and with an lr spike
     exprate-curve.png      valid ExpRate and token error rate over the steps of --run (its metrics.json)
@@ -33,7 +36,7 @@ import numpy as np
 from wapstable.cli import run_script
 from wapstable.errors import UserError
 
-FIGURES = ("samples", "boxes", "handwriting", "grad", "sweep", "exprate", "attention")
+FIGURES = ("samples", "boxes", "handwriting", "images", "grad", "sweep", "exprate", "attention")
 # The tiny runs: debug=tiny (conf/debug/tiny.yaml) without loggers or progress bars.
 TINY = ["debug=tiny", "logger=[]", "trainer.progress=false"]
 FAULT_RUN = "nan_input-at-step-5"  # the run directory's name is the gradient report's title
@@ -181,6 +184,70 @@ def handwriting(out: Path, n: int = 8, seed: int = 2, crohme: Path | None = None
         )
     )
     return _box_figure(panels, n, title, out / "handwriting.png")
+
+
+def images(out: Path, wap: Path | None = None, crohme: Path | None = None, ink=None) -> Path:
+    """One expression three ways, before and after normalisation to `ink` (a checkpoint's InkStats, else
+    data.ink_stroke / data.ink_symbol): a WAP bitmap (from `wap`, the WAP authors' off_image_test folder, with
+    `crohme` its InkML folder; else the raster drawn as theirs are, a 4-px pen 1.3 times as large), a scan-like
+    image (dark ink on grey paper, blurred, noisy, twice as large) and the project's own raster."""
+    import matplotlib.pyplot as plt
+    from PIL import Image
+    from scipy import ndimage as ndi
+
+    from wapstable.data.crohme import Raster, read_inkml
+    from wapstable.data.normalize import InkStats, normalize
+
+    ink = ink or InkStats(2.3, 31.0)
+    raster = Raster(160, 2, 24.0)
+    if wap is not None and crohme is not None:
+        key = next(
+            (
+                f.stem[:-2]
+                for f in sorted(Path(wap).glob("*_0.bmp"))
+                if (Path(crohme) / f"{f.stem[:-2]}.inkml").is_file()
+            ),
+            None,
+        )
+        if key is None:
+            raise UserError(
+                f"--wap {wap} and --crohme {crohme} share no expression; give the 2014 test folders"
+            )
+        own = read_inkml(Path(crohme) / f"{key}.inkml", raster).image
+        theirs = np.asarray(Image.open(Path(wap) / f"{key}_0.bmp").convert("L"))
+        source = f"the WAP authors' bitmap of {key}"
+    else:
+        from wapstable.data.crohme import rasterize_traces
+
+        strokes = [np.array([[0, 0], [20, 30]]), np.array([[20, 0], [0, 30]]), np.array([[30, 15], [50, 15]])]
+        strokes += [np.array([[40, 5], [40, 25]]), np.array([[60, 0], [70, 5], [60, 30], [75, 30]])]
+        own = rasterize_traces(strokes, raster.height, raster.line_width, symbol_size=raster.symbol_size)
+        big = ndi.binary_dilation(own > 127, np.ones((3, 3), bool)).astype(np.uint8) * 255
+        theirs = np.asarray(
+            Image.fromarray(big).resize((round(big.shape[1] * 1.3), round(big.shape[0] * 1.3)))
+        )
+        source = "a WAP-like bitmap (4-px pen, 1.3x)"
+    scan = np.asarray(Image.fromarray(own).resize((own.shape[1] * 2, own.shape[0] * 2)), np.float32)
+    scan = ndi.gaussian_filter(215 - scan * 0.65, 1.2) + np.random.default_rng(0).normal(0, 6, scan.shape)
+    scan = scan.clip(0, 255).astype(np.uint8)
+    rows = [
+        (source, theirs),
+        ("a scan: dark ink on grey paper, blurred, 2x", scan),
+        ("the project's raster", own),
+    ]
+    fig, axes = plt.subplots(3, 2, figsize=(10, 6.5))
+    for (name, image), (left, right) in zip(rows, axes):
+        after = normalize(image, ink)
+        for ax, im, what in ((left, image, f"{name}: as read"), (right, after, "normalised")):
+            ax.imshow(im, cmap="gray", vmin=0, vmax=255)
+            ax.set_title(f"{what} ({im.shape[0]}x{im.shape[1]} px)", fontsize=9)
+            ax.set_xticks([])
+            ax.set_yticks([])
+    fig.suptitle(
+        f"Images brought to the model's ink ({ink.stroke_width:.2f}-px pen, symbols {ink.symbol_size:.0f} px)"
+    )
+    fig.tight_layout()
+    return _save(fig, out / "images.png")
 
 
 def _box_figure(panels: list[tuple], n: int, title: str, path: Path) -> Path:
@@ -338,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--crohme", type=Path, help="a folder of CROHME InkML: symbol-boxes.png shows 4 of its files"
     )
+    p.add_argument(
+        "--wap", type=Path, help="the WAP authors' off_image_test folder, for images.png (with --crohme)"
+    )
     p.add_argument("--only", nargs="+", choices=FIGURES, default=list(FIGURES), help="draw only these")
     args = p.parse_args(argv)
     # Bad arguments fail before anything is trained or drawn.
@@ -363,6 +433,13 @@ def main(argv: list[str] | None = None) -> int:
             written.append(symbol_boxes(args.out, crohme=args.crohme))
         if "handwriting" in args.only:
             written.append(handwriting(args.out, crohme=args.crohme))
+        if "images" in args.only:
+            stats = None
+            if args.checkpoint is not None:
+                from wapstable.eval.evaluation import load_model
+
+                stats = load_model(str(args.checkpoint), "cpu")[0].ink_stats
+            written.append(images(args.out, args.wap, args.crohme, stats))
         if "grad" in args.only:
             written.append(grad_report(args.out, work))
         if "sweep" in args.only:
