@@ -8,7 +8,7 @@ from hydra.errors import ConfigCompositionException
 
 GROUPS = {
     "model": ["small", "wap", "densewap"],
-    "data": ["synthetic", "crohme", "wap_pkl"],
+    "data": ["synthetic", "crohme", "wap_pkl", "images"],
     "optim": ["adadelta", "adam", "adam_cosine", "sgd"],
     "clip": ["none", "norm", "value", "inf", "agc", "autoclip"],
     "fault": ["none", "nan_input", "inf_loss", "lr_spike", "attention_overflow", "preempt"],

@@ -35,6 +35,7 @@ def test_figures_draws_every_picture_from_its_tiny_runs(tmp_path, cache_dir, mon
     assert sorted(p.name for p in out.iterdir()) == [
         "grad-report-fault.png",
         "handwriting.png",
+        "images.png",
         "samples.png",
         "sweep-summary.png",
         "symbol-boxes.png",
@@ -45,6 +46,7 @@ def test_figures_draws_every_picture_from_its_tiny_runs(tmp_path, cache_dir, mon
         "sweep-summary.png",
         "symbol-boxes.png",
         "handwriting.png",
+        "images.png",
     ):
         assert_png(out / name)
     # The gradient report is of a run that skipped its NaN step, and the sweep ran every job: the spiked ones were
@@ -104,3 +106,10 @@ def test_bad_arguments_are_one_sentence_and_exit_2_before_anything_is_drawn(tmp_
     with pytest.raises(UserError, match="is not a file"):
         figures.main(["--checkpoint", str(tmp_path / "missing.pt"), "--out", str(out)])
     assert not out.exists()
+
+
+def test_images_figure_without_the_wap_data(tmp_path):
+    """images.png is drawn without the WAP data too (its stand-in bitmap), as a small palette PNG; that the three
+    images normalise to the same ink is test_images.py's."""
+    path = figures.images(tmp_path)
+    assert_png(path)
