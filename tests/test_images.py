@@ -218,7 +218,7 @@ def test_train_on_an_hme100k_folder_and_predict_either_polarity(tmp_path, cache_
 def test_images_refusals(tmp_path, cache_dir):
     run = tmp_path / "run"
     proc = run_train(["data=images", f"data.root={tmp_path}"], run, cache_dir, check=False)
-    assert proc.returncode != 0 and "finds no captions file and image folder" in proc.stderr
+    assert proc.returncode == 2 and "finds no captions file and image folder" in proc.stdout + proc.stderr
     root = comer_folder(tmp_path / "comer", splits=("train",))
     (root / "train" / "img" / "train_0.bmp").write_bytes(b"\x00")
     proc = run_train(
@@ -227,9 +227,10 @@ def test_images_refusals(tmp_path, cache_dir):
         cache_dir,
         check=False,
     )
-    assert proc.returncode != 0 and "train_0.bmp" in proc.stderr and "data.on_error=skip" in proc.stderr
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "train_0.bmp" in out and "data.on_error=skip" in out
     proc = run_train(["data.pixel_aug.scale=[1.5,1.0]"], run, cache_dir, check=False)
-    assert proc.returncode != 0 and "data.pixel_aug.scale" in proc.stderr
+    assert proc.returncode == 2 and "data.pixel_aug.scale" in proc.stdout + proc.stderr
     assert not (run / "checkpoints").exists()
 
 

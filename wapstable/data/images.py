@@ -27,7 +27,7 @@ import numpy as np
 from wapstable.data.cache import pack_images, unpack_images, write_npz
 from wapstable.data.crohme import held_out
 from wapstable.data.latex import DataError, check_on_error, normalize_crohme, on_data_error, tokenize_latex
-from wapstable.data.normalize import normalize
+from wapstable.data.normalize import normalize, read_image
 from wapstable.data.sample import Sample, Splits, data_root
 from wapstable.errors import UserError
 
@@ -66,8 +66,6 @@ def read_label(label: str, crohme: bool) -> list[str]:
 
 def read_picture(path: Path) -> np.ndarray:
     """An image file as (H, W) uint8 with its ink bright on black, or DataError naming the file."""
-    from wapstable.eval.evaluation import read_image
-
     try:
         gray = read_image(path)
     except UserError as e:

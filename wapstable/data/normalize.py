@@ -13,6 +13,7 @@ every checkpoint records (`ink_stats`), so evaluate.py and predict.py bring an i
 """
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -20,6 +21,8 @@ from PIL import Image
 from scipy import ndimage as ndi
 from skimage.filters import threshold_otsu
 from skimage.morphology import skeletonize
+
+from wapstable.errors import UserError
 
 MARGIN = 4  # px of background around the ink, as the project's rasterisers keep
 MIN_COMPONENT = (
@@ -152,3 +155,19 @@ def normalize(
     out = np.zeros((ink.shape[0] + 2 * MARGIN, ink.shape[1] + 2 * MARGIN), np.uint8)
     out[MARGIN : MARGIN + ink.shape[0], MARGIN : MARGIN + ink.shape[1]] = ink.astype(np.uint8) * 255
     return out
+
+
+def read_image(path: str | Path) -> np.ndarray:
+    """An image file (PNG, JPG, ... as Pillow reads it) as (H, W) uint8 gray, transparency flattened onto white."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as im:
+            im.load()
+            if im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info):
+                im = im.convert("RGBA")
+                white = Image.new("RGBA", im.size, (255, 255, 255, 255))
+                im = Image.alpha_composite(white, im)  # dark ink on a transparent sheet is dark ink on white
+            return np.asarray(im.convert("L"), dtype=np.uint8)
+    except (OSError, UnidentifiedImageError, ValueError) as e:
+        raise UserError(f"{path} is not a readable image ({e})") from None

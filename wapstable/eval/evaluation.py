@@ -16,7 +16,7 @@ from torch import Tensor
 
 from wapstable.checkpoint import load_checkpoint
 from wapstable.data.batches import collate, make_batches
-from wapstable.data.normalize import InkStats, normalize
+from wapstable.data.normalize import InkStats, normalize, read_image  # noqa: F401 (read_image: the image-file API)
 from wapstable.data.sample import Sample
 from wapstable.data.vocab import Vocab
 from wapstable.errors import UserError
@@ -234,22 +234,6 @@ def combine_sets(sets: dict) -> dict:
 
 # -----------------------------------------------------------------------------
 # image files
-
-
-def read_image(path: str | Path) -> np.ndarray:
-    """An image file (PNG, JPG, ... as Pillow reads it) as (H, W) uint8 gray, transparency flattened onto white."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path) as im:
-            im.load()
-            if im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info):
-                im = im.convert("RGBA")
-                white = Image.new("RGBA", im.size, (255, 255, 255, 255))
-                im = Image.alpha_composite(white, im)  # dark ink on a transparent sheet is dark ink on white
-            return np.asarray(im.convert("L"), dtype=np.uint8)
-    except (OSError, UnidentifiedImageError, ValueError) as e:
-        raise UserError(f"{path} is not a readable image ({e})") from None
 
 
 def prepare_image(
