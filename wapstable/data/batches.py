@@ -54,7 +54,7 @@ def load_splits(cfg_data, which: Sequence[str] = SPLITS, ink=None) -> Splits:
             splits[split] = [
                 s._replace(image=normalize(s.image, target, height), boxes=None) for s in samples
             ]
-        log.info("data.normalize: every image brought to a %.2f px pen, symbols %.1f px", *target)
+        log.info("data.normalize: every image brought to %s", target)
     return splits
 
 

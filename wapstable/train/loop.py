@@ -83,7 +83,12 @@ class Trainer(TrainingStep, RunEvents, TrainingState):
         self.splits, self.vocab = build_data(cfg, self.resume_state)
         # the ink the model learns from, which every checkpoint records: evaluate.py and predict.py bring other
         # images to it (data/normalize.py)
-        self.ink_stats = training_stats([s.image for s in self.splits["train"]])
+        aug = cfg.data.get("pixel_aug")
+        self.ink_stats = training_stats(
+            [s.image for s in self.splits["train"]],
+            scale=tuple(aug.scale) if aug is not None else (1.0, 1.0),
+            pen=aug is not None and float(aug.pen) > 0,
+        )
         self.model = build_checked_model(
             cfg, len(self.vocab), self.device, self.resume_state, self.resume_path
         )
