@@ -69,6 +69,32 @@ def test_training_stats_and_a_blank_image():
     assert training_stats([]) is None and measure(np.zeros((9, 9), bool)) is None
     assert not normalize(np.full((20, 20), 200, np.uint8), TARGET).any()  # one flat colour: no ink, no crash
     assert InkStats.from_dict(stats.as_dict()) == stats
+    wide = training_stats(images, scale=(0.7, 1.4), pen=True)  # what data.pixel_aug lets the model see
+    assert wide.stroke_range[0] < stats.stroke_range[0] and wide.stroke_range[1] > stats.stroke_range[1] + 2
+    assert (
+        wide.symbol_range[0] < stats.symbol_range[0] * 0.75 and wide.symbol_range[1] > stats.symbol_range[1]
+    )
+    assert InkStats.from_dict(wide.as_dict()) == wide
+
+
+def test_ink_inside_the_trained_range_keeps_its_pixels():
+    """A 4-px pen at 1.2x the size: redrawn and resampled for a model of one pen and size, kept as it is for a
+    model whose training ranges (data.pixel_aug) cover it."""
+    image = rasterize_traces(strokes(1), height=400, line_width=4, symbol_size=29)
+    found = measure(to_ink(image))
+    bare = normalize(image, TARGET)
+    covered = TARGET._replace(stroke_range=(1.0, 6.0), symbol_range=(15.0, 60.0))
+    kept = normalize(image, covered)
+    assert np.array_equal(kept, normalize(image, None))  # polarity, contrast and crop only
+    assert abs(measure(to_ink(kept)).stroke_width - found.stroke_width) < 0.3
+    assert abs(measure(to_ink(bare)).stroke_width - TARGET.stroke_width) < 0.6
+    pen_only = normalize(
+        image, TARGET._replace(symbol_range=(15.0, 60.0))
+    )  # the size is kept, the pen is not
+    assert (
+        pen_only.shape == kept.shape
+        and abs(measure(to_ink(pen_only)).stroke_width - TARGET.stroke_width) < 0.6
+    )
 
 
 def batch(h=40, w=60, n=3):
