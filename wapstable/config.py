@@ -170,8 +170,8 @@ class DataConfig:
     warp: float = 0.0
     pixel_aug: PixelAugConfig = field(default_factory=PixelAugConfig)
     # wap_pkl, images: every image brought to the model's own ink (wapstable/data/normalize.py): polarity, contrast,
-    # symbol size and pen width measured and resampled to the checkpoint's ink statistics (evaluation, resume,
-    # init_from), or for a new model to `ink_stroke` / `ink_symbol` px (as measured on the project's InkML raster
+    # symbol size and pen width measured and, where they lie outside the range the checkpoint's model saw in
+    # training, resampled to its ink statistics (evaluation, resume, init_from), or for a new model to `ink_stroke` / `ink_symbol` px (as measured on the project's InkML raster
     # at data.line_width=2, data.symbol_size=24); false = the images as they are
     normalize: bool = False
     ink_stroke: float = 2.3
