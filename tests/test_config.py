@@ -35,7 +35,7 @@ def test_defaults():
     assert cfg.clip.mode == "norm" and cfg.clip.max_norm == 100.0
     assert cfg.model.attention.stable is True and cfg.model.attention.position_features == 32
     assert cfg.guard.skip_nonfinite and cfg.guard.max_consecutive_skips == 5
-    # the default run's recipe (docs/recipes.md): data kept at difficulty 2, rendered at 28 pt
+    # the default run's recipe (docs/studies/recipes.md): data kept at difficulty 2, rendered at 28 pt
     assert cfg.data.difficulty == 2 and cfg.data.font_size == 28 and cfg.data.bucket_by == "tokens"
     assert cfg.optim.lr == 3e-3 and cfg.optim.schedule == "cosine" and cfg.optim.warmup_steps == 150
     assert cfg.trainer.max_minutes == 7.5 and list(cfg.model.block_convs) == [1, 1, 2, 2]

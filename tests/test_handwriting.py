@@ -340,7 +340,7 @@ def test_jitter_and_distort_are_keys_of_the_cache_and_of_the_pixels(tmp_path):
 
 def _placement(boxes, base, script):
     """A script's height as a share of its base's, the shift of its centre below the base's and its gap after the
-    base, both in base heights (as docs/handwriting.md measures real ink)."""
+    base, both in base heights (as docs/studies/handwriting.md measures real ink)."""
     b, s = boxes[base], boxes[script]
     h = b[3] - b[1]
     return (s[3] - s[1]) / h, (s[1] + s[3] - b[1] - b[3]) / 2 / h, (s[0] - b[2]) / h

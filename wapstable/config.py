@@ -87,7 +87,7 @@ class ModelConfig:
     # maps each annotation to per-symbol densities whose sum over the image is regressed on the label's symbol
     # counts. It teaches the watcher to find every symbol from the first step; decoding does not use it. 0 = off.
     counting: float = 0.0
-    # Weight of the symbol map (docs/guidance.md): a 1x1 conv over the watcher's annotations classifies each cell as
+    # Weight of the symbol map (docs/studies/guidance.md): a 1x1 conv over the watcher's annotations classifies each cell as
     # the symbol whose box covers it (or background), trained on the data's symbol boxes, so the watcher learns
     # what each symbol looks like from every cell of every image instead of only through the parser's loss.
     # Decoding uses it only through model.symbol_readout; batches without boxes skip its loss. 0 = off.
@@ -95,7 +95,7 @@ class ModelConfig:
     # Label smoothing of the sequence loss (Szegedy et al. 2016): each token's target keeps 1 - eps of its mass
     # and spreads eps over the vocabulary. 0 = off, WAP's plain negative log-likelihood.
     label_smoothing: float = 0.0
-    # The symbol readout (docs/guidance.md): each decoding step's logits also get the symbol map's log-probabilities
+    # The symbol readout (docs/studies/guidance.md): each decoding step's logits also get the symbol map's log-probabilities
     # averaged under its attention. Off without the map (model.symbol_map=0); used in decoding too.
     symbol_readout: bool = False
     attention: AttentionConfig = field(default_factory=AttentionConfig)
@@ -284,7 +284,7 @@ class DecodeConfig:
     # test images on a CPU (about 2% of the run)
     final_beam_size: int = 10
     # the final test evaluation (and scripts/evaluate.py) reads every image at each of these scales, resized, and
-    # keeps the reading of highest log-prob / length; [1.0] reads it as it is (docs/handwriting.md, "Reading at
+    # keeps the reading of highest log-prob / length; [1.0] reads it as it is (docs/studies/handwriting.md, "Reading at
     # several sizes")
     scales: list[float] = field(default_factory=lambda: [1.0])
     # beam search (and decode.scales) picks the reading of highest log-prob / length ** length_power: 1 as WAP

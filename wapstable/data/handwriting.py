@@ -469,7 +469,7 @@ def slant(strokes: list[np.ndarray], shear: float, y_mid: float) -> list[np.ndar
 
 
 # Where writers put a one-symbol script against its base, measured on the symbol boxes of the CROHME training files
-# against mathtext's layout of the same shapes (docs/handwriting.md, "What the zero-shot model gets wrong"), in base
+# against mathtext's layout of the same shapes (docs/studies/handwriting.md, "What the zero-shot model gets wrong"), in base
 # heights: a subscript is 0.75 times the size mathtext gives it, 0.14 lower and 0.19 further right; a superscript is
 # as large and 0.14 higher.
 SCRIPT_MOVES = {"_": (0.75, 0.14, 0.19), "^": (1.0, -0.14, 0.0)}  # (scale, shift down, shift right)
@@ -555,7 +555,7 @@ def place_scripts(
 # How far apart writers set things, against mathtext's layout of the same labels drawn as rendered handwriting, on
 # the symbol boxes of 500 CROHME training files (every 15th of the sorted files; scripts/layout_stats.py measures
 # the same on any files), in letter heights (the median height of an expression's letters and digits;
-# docs/handwriting.md, "Symbols set apart and fonts mixed"):
+# docs/studies/handwriting.md, "Symbols set apart and fonts mixed"):
 # - two neighbouring symbols: a median gap of 0.30 in the ink against 0.11 rendered (10th to 90th percentile
 #   -0.01..0.91 against -0.29..0.54), so a writer adds about 0.2;
 # - a fraction's numerator sits 0.18 above its bar and the denominator 0.18 below (rendered: -0.09 and -0.07,
