@@ -21,13 +21,16 @@ train: $(VENV)/.installed
 
 # Every feature, in at most 5 minutes on 2 cores; test-all adds the long matrices (tests marked slow: rollback at
 # every step, fault x clip, the non-editable install, kill-anywhere, a resumed DDP run, the submitit sweep, a sweep
-# with a failed job, the pretraining inside the clock).
+# with a failed job, the pretraining inside the clock), then the fresh-interpreter pass of make test's runs.
 # Two test processes at once (pytest-xdist), each test file on one of them: ARGS="-n 0" runs them in this one.
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not slow" -n 2 --dist loadfile $(ARGS)
 
 test-all: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --dist loadfile $(ARGS)
+	@# the fresh-interpreter pass: every run make test forks from the pre-imported zygote, started as a user starts
+	@# it (its own imports, warnings, environment and hash salt)
+	WAPSTABLE_TEST_FRESH=1 $(PY) -m pytest -q -m "not slow" -n 2 --dist loadfile $(ARGS)
 
 # pip install . into a fresh venv of another Python (PYTHON=python3.12) and a debug=tiny run of the installed command.
 smoke:
@@ -48,7 +51,7 @@ bench: $(VENV)/.installed
 gpu-check: $(VENV)/.installed
 	$(PY) scripts/gpu_check.py $(ARGS)
 
-# The README's pictures into docs/; ARGS="--run RUN_DIR --checkpoint CKPT" adds the ExpRate curve and attention maps.
+# The documentation's pictures into docs/; ARGS="--run RUN_DIR --checkpoint CKPT" adds the ExpRate curve and attention maps.
 figures: $(VENV)/.installed
 	$(PY) scripts/figures.py $(ARGS)
 

@@ -1,4 +1,4 @@
-"""Draw the README's pictures into docs/: `python scripts/figures.py [--run RUN_DIR] [--checkpoint CKPT]`.
+"""Draw the documentation's pictures into docs/: `python scripts/figures.py [--run RUN_DIR] [--checkpoint CKPT]`.
 
 The same as the installed `wapstable-figures` and `make figures`; the code and its documentation are in
 `wapstable/cli/figures.py`.

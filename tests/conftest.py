@@ -1,6 +1,7 @@
 """Shared helpers: composing the real config, and running the real `train.py` in a subprocess."""
 
 import atexit
+import itertools
 import json
 import os
 import select
@@ -138,6 +139,9 @@ class Zygote:
 
 ZYGOTE = Zygote()
 atexit.register(ZYGOTE.stop)
+# WAPSTABLE_TEST_FRESH=1 (make test-all's second pass): every run in a fresh interpreter, as a user starts it.
+FRESH = os.environ.get("WAPSTABLE_TEST_FRESH") == "1"
+HASH_SEEDS = itertools.count(1 + os.getpid() % 1000 * 100)
 
 
 def python_run(cmd, cwd=ROOT, env=None, timeout=600) -> subprocess.CompletedProcess:
@@ -145,11 +149,15 @@ def python_run(cmd, cwd=ROOT, env=None, timeout=600) -> subprocess.CompletedProc
     run as a child of the pre-imported zygote (seconds faster per run; tests/zygote.py says how it stays a real
     process). Anything else, or WAPSTABLE_TEST_FRESH=1, runs in a fresh interpreter."""
     env = dict(os.environ if env is None else env)
+    if FRESH and "PYTHONHASHSEED" not in env:
+        # every fresh process its own hash salt, so that two runs a test compares differ in it as two runs of a
+        # user's would (forked children all share the zygote's)
+        env["PYTHONHASHSEED"] = str(next(HASH_SEEDS))
     fresh = (
         cmd[0] != sys.executable
         or cmd[1].startswith("-")
         and cmd[1] != "-m"
-        or os.environ.get("WAPSTABLE_TEST_FRESH") == "1"
+        or FRESH
         or any(env.get(k) != os.environ.get(k) for k in ("PYTHONPATH", "PYTHONHOME", "OMP_NUM_THREADS"))
     )
     if fresh:

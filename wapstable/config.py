@@ -148,7 +148,7 @@ class DataConfig:
     # open 4, an x of two arcs...: data/handwriting.py ALLOGRAPHS) is drawn in one of them instead of its font's (0..1)
     allographs: float = 0.0
     # handwritten, with data.augment: the chance that one of the symbols of MORE_FORMS (data/handwriting.py: 0 6 c l s
-    # u v B ( ) 2 \beta and the root's sign, which ALLOGRAPHS leaves to the fonts) is drawn in one of the forms
+    # u v B ( ) \beta and the root's sign, which ALLOGRAPHS leaves to the fonts) is drawn in one of the forms
     # writers give it there (0..1); 0 draws every image as before
     more_forms: float = 0.0
     # handwritten, with data.augment: the chance that a script is drawn where writers put it rather than where mathtext
@@ -171,8 +171,9 @@ class DataConfig:
     pixel_aug: PixelAugConfig = field(default_factory=PixelAugConfig)
     # wap_pkl, images: every image brought to the model's own ink (wapstable/data/normalize.py): polarity, contrast,
     # symbol size and pen width measured and, where they lie outside the range the checkpoint's model saw in
-    # training, resampled to its ink statistics (evaluation, resume, init_from), or for a new model to `ink_stroke` / `ink_symbol` px (as measured on the project's InkML raster
-    # at data.line_width=2, data.symbol_size=24); false = the images as they are
+    # training, resampled to its ink statistics (evaluation, prediction, resume), or for a new model to `ink_stroke` /
+    # `ink_symbol` px (as measured on the project's InkML raster at data.line_width=2, data.symbol_size=24); false =
+    # the images as they are
     normalize: bool = False
     ink_stroke: float = 2.3
     ink_symbol: float = 31.0

@@ -1,4 +1,4 @@
-"""Draw the README's pictures into docs/: `wapstable-figures [--run RUN_DIR] [--checkpoint CKPT] [--out docs]`.
+"""Draw the documentation's pictures into docs/: `wapstable-figures [--run RUN_DIR] [--checkpoint CKPT] [--out docs]`.
 
     make figures ARGS="--run outputs/default-run --checkpoint outputs/long/checkpoints/best.pt"
     python scripts/figures.py --only samples sweep          # in a checkout, the same as wapstable-figures

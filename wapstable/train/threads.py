@@ -80,7 +80,7 @@ class CoreShare:
 
     Why: OpenMP threads spin while they wait for each other. Two runs with 2 threads each on 2 cores took 173 s each
     instead of 29 s for one alone (120 steps), while one thread each keeps both near the lone run's time and a run
-    alone keeps both threads (docs in the README, "Two runs at once"; `scripts/share_cores.py` measures it).
+    alone keeps both threads (docs/scaling.md, "Two runs at once"; `scripts/share_cores.py` measures it).
     """
 
     def __init__(self, parallel: int = 1, interval_s: float = 1.0):
