@@ -32,6 +32,7 @@ def test_figures_draws_every_picture_from_its_tiny_runs(tmp_path, cache_dir, mon
     printed = capsys.readouterr().out
     assert "exprate-curve.png skipped: give --run" in printed
     assert "attention-*.png skipped: give --checkpoint" in printed
+    assert "crohme-*.png skipped: give --crohme-run" in printed
     assert sorted(p.name for p in out.iterdir()) == [
         "grad-report-fault.png",
         "handwriting.png",
@@ -68,6 +69,18 @@ def test_figures_draws_every_picture_from_its_tiny_runs(tmp_path, cache_dir, mon
     assert_png(out / "exprate-curve.png")
     for name, _ in figures.ATTENTION:
         assert_png(out / f"attention-{name}.png", min_size=(200, 100))
+
+    # The CROHME pictures from a finished run and a folder of InkML (the tiny run stands in for the preset's).
+    from test_crohme import published_layout
+
+    folder = published_layout(tmp_path / "crohme") / "TestEM2014GT"
+    args = ["--out", str(out), "--work", str(tmp_path / "work3"), "--only", "crohme", "--crohme", str(folder)]
+    assert figures.main([*args, "--crohme-run", str(run)]) == 0
+    for name in ("crohme-curve.png", "grad-report-crohme.png"):
+        assert_png(out / name)
+    assert_png(out / "attention-crohme.png", min_size=(100, 50))
+    with pytest.raises(UserError, match="holds no metrics.json; give the directory of a finished experiment"):
+        figures.main([*args, "--crohme-run", str(tmp_path)])
 
 
 def test_exprate_curve_reads_the_evaluations_of_metrics_json(tmp_path):

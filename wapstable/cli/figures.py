@@ -15,6 +15,9 @@ Each picture comes from the project's own tools, so it shows what a user of them
     sweep-summary.png      scripts/summarize_sweep.py on a tiny grid sweep: clip modes, without and with an lr spike
     exprate-curve.png      valid ExpRate and token error rate over the steps of --run (its metrics.json)
     attention-*.png        scripts/predict.py --attention with --checkpoint on a rendered fraction and scripts
+    crohme-curve.png       with --crohme-run (a finished experiment=crohme run) and --crohme (a CROHME test folder):
+    grad-report-crohme.png its ExpRate curve, its gradient report, and its best.pt reading a test file of --crohme
+    attention-crohme.png   (518_em_417.inkml where the folder has it) with predict.py --attention
 
 The first three train what they need in a temporary folder (`--work` keeps it): seconds to a few minutes on a
 CPU. The last two need a finished run and a trained checkpoint and are skipped, with a line saying so, when
@@ -36,7 +39,7 @@ import numpy as np
 from wapstable.cli import run_script
 from wapstable.errors import UserError
 
-FIGURES = ("samples", "boxes", "handwriting", "images", "grad", "sweep", "exprate", "attention")
+FIGURES = ("samples", "boxes", "handwriting", "images", "grad", "sweep", "exprate", "attention", "crohme")
 # The tiny runs: debug=tiny (conf/debug/tiny.yaml) without loggers or progress bars.
 TINY = ["debug=tiny", "logger=[]", "trainer.progress=false"]
 FAULT_RUN = "nan_input-at-step-5"  # the run directory's name is the gradient report's title
@@ -335,7 +338,7 @@ def sweep(out: Path, work: Path) -> Path:
     return out / "sweep-summary.png"
 
 
-def exprate_curve(out: Path, run: Path) -> Path:
+def exprate_curve(out: Path, run: Path, name: str = "exprate-curve.png") -> Path:
     """Valid ExpRate and token error rate at each evaluation of `run`, with its test ExpRate."""
     from matplotlib.figure import Figure
 
@@ -368,7 +371,7 @@ def exprate_curve(out: Path, run: Path) -> Path:
         f"{run.resolve().name}: {metrics.get('steps', steps[-1])} steps, {minutes:.1f} min", fontsize=10
     )
     fig.tight_layout()
-    return _save(fig, out / "exprate-curve.png")
+    return _save(fig, out / name)
 
 
 def attention(out: Path, work: Path, checkpoint: Path, cfg) -> list[Path]:
@@ -387,6 +390,39 @@ def attention(out: Path, work: Path, checkpoint: Path, cfg) -> list[Path]:
         written.append(out / f"attention-{name}.png")
         save_small(predict.attention_path(work / "att.png", n, len(ATTENTION)), written[-1])
     return written
+
+
+# The 2014 test expression of the CROHME attention picture, when the --crohme folder holds it.
+CROHME_EXAMPLE = "518_em_417.inkml"
+
+
+def crohme_run(out: Path, work: Path, run: Path, folder: Path | None) -> list[Path]:
+    """A finished experiment=crohme run: its ExpRate curve, its gradient report, and its best.pt's attention over
+    one test file of `folder` rasterised as the run's data config draws it."""
+    from wapstable.cli import grad_report as report
+    from wapstable.cli import predict, render
+    from wapstable.eval.evaluation import load_model
+
+    written = [exprate_curve(out, run, "crohme-curve.png")]
+    if report.main([str(run), "--out", str(work / "grad-crohme")]) != 0:
+        raise UserError(f"{run} holds no grad_stats.csv; give --crohme-run a finished training run")
+    save_small(work / "grad-crohme" / "grad_report.png", out / "grad-report-crohme.png")
+    written.append(out / "grad-report-crohme.png")
+    if folder is None:
+        print("attention-crohme.png skipped: give --crohme a CROHME test folder (e.g. DIR/TestEM2014GT)")
+        return written
+    files = sorted(folder.rglob("*.inkml"))
+    if not files:
+        raise UserError(f"--crohme {folder} holds no .inkml file; give a CROHME test folder")
+    example = next((f for f in files if f.name == CROHME_EXAMPLE), files[0])
+    checkpoint = run / "checkpoints" / "best.pt"
+    _, _, cfg = load_model(str(checkpoint), "cpu")
+    image = work / "crohme.png"
+    size = ["--symbol-size", str(cfg.data.symbol_size), "--height", str(cfg.data.height)]
+    render.main([str(example), str(image), *size])
+    predict.main([str(checkpoint), str(image), "--attention", str(work / "att-crohme.png")])
+    save_small(work / "att-crohme.png", out / "attention-crohme.png")
+    return [*written, out / "attention-crohme.png"]
 
 
 def _save(fig, path: Path) -> Path:
@@ -408,6 +444,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--wap", type=Path, help="the WAP authors' off_image_test folder, for images.png (with --crohme)"
     )
+    p.add_argument(
+        "--crohme-run",
+        type=Path,
+        help="a finished experiment=crohme run, for crohme-curve.png, grad-report-crohme.png, attention-crohme.png",
+    )
     p.add_argument("--only", nargs="+", choices=FIGURES, default=list(FIGURES), help="draw only these")
     args = p.parse_args(argv)
     # Bad arguments fail before anything is trained or drawn.
@@ -421,6 +462,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"--checkpoint {args.checkpoint} is not a file; give a checkpoint such as best.pt"
             )
         _, _, ckpt_cfg = load_model(str(args.checkpoint), "cpu")  # not a checkpoint: a UserError naming it
+    if args.crohme_run is not None:
+        for need in ("metrics.json", "checkpoints/best.pt"):
+            if not (args.crohme_run / need).is_file():
+                raise UserError(
+                    f"--crohme-run {args.crohme_run} holds no {need}; give the directory of a finished "
+                    "experiment=crohme run"
+                )
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="wapstable-figures-"))
     work = work.resolve()
@@ -454,6 +502,11 @@ def main(argv: list[str] | None = None) -> int:
                 print("attention-*.png skipped: give --checkpoint CKPT (a trained model's best.pt)")
             else:
                 written += attention(args.out, work, args.checkpoint, ckpt_cfg)
+        if "crohme" in args.only:
+            if args.crohme_run is None:
+                print("crohme-*.png skipped: give --crohme-run RUN_DIR (a finished experiment=crohme run)")
+            else:
+                written += crohme_run(args.out, work, args.crohme_run, args.crohme)
         done = True
     finally:
         if args.work is None and done:  # after a failure the folder stays: the error names a log in it
