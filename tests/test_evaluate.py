@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from conftest import ROOT, python_run, run_train
 from PIL import Image
 from test_crohme import write as write_inkml
@@ -14,6 +15,7 @@ from wapstable.data.sample import Sample
 from wapstable.data.synthetic import render
 from wapstable.data.vocab import Vocab
 from wapstable.data.wap_pkl import write_wap_split
+from wapstable.eval import evaluation
 from wapstable.eval.attention_maps import upsample_attention
 from wapstable.eval.evaluation import prepare_image
 
@@ -38,12 +40,55 @@ def tiny_run(tmp_path_factory, cache_dir):
     return run
 
 
+# A data set the tiny model learns by heart: five images, the same in every split, the last one drawn as the first
+# (an x) but labelled y. The model reads most of them after 60 steps, and never both x's: a run whose ExpRate lies
+# between 0 and 100, so that two evaluations agreeing on its figures is not 0 == 0, and it makes errors to print.
+READ = [("x", "x"), ("1 + 2", "1 + 2"), ("a ^ { 2 }", "a ^ { 2 }"), ("y - b", "y - b"), ("x", "y")]
+# data.normalize=false: the pixels as written; with it on, evaluate.py's images are not the run's (see
+# test_evaluate_brings_the_images_to_the_ink_the_run_read below)
+READ_DATA = ["data=wap_pkl", "data.normalize=false"]
+LEARN = [
+    "optim=adam",
+    "optim.lr=1e-2",
+    "trainer.max_steps=60",
+    "trainer.eval_every=60",
+    "trainer.checkpoint_every=60",
+]
+
+
+def write_read_set(root) -> list[str]:
+    """READ as WAP pickles under `root`; returns train.py's data overrides for it."""
+    samples = [
+        Sample(f"r{i}", render(drawn.split(), "cm", 16, None, False), label.split())
+        for i, (drawn, label) in enumerate(READ)
+    ]
+    root.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "valid", "test"):
+        write_wap_split(samples, root / f"offline-{split}.pkl", root / f"{split}_caption.txt")
+    Vocab.build([s.tokens for s in samples]).save(root / "dictionary.txt")
+    return [*READ_DATA, f"data.root={root}"]
+
+
+def assert_reads(figures: dict) -> None:
+    """Figures of a run that read some of READ and not all: 0 < ExpRate < 100 (the two x's cannot both be right)."""
+    assert 0 < figures["exprate"] < 100 and 0 < figures["wer"] < 100, figures
+
+
+@pytest.fixture(scope="module")
+def reading_run(tmp_path_factory, cache_dir):
+    """A tiny run that learned READ (its final test reads some of it)."""
+    tmp = tmp_path_factory.mktemp("read")
+    run = tmp / "run"
+    run_train([*write_read_set(tmp / "wap"), *LEARN], run, cache_dir)
+    return run
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # evaluate.py
 
 
-def test_evaluate_prints_the_table_and_writes_json(tiny_run):
-    ckpt = tiny_run / "checkpoints" / "best.pt"
+def test_evaluate_prints_the_table_and_writes_json(reading_run):
+    ckpt = reading_run / "checkpoints" / "best.pt"
     proc = script("evaluate.py", ckpt)
     assert proc.returncode == 0, proc.stderr
     for word in ("exprate", "within_1", "within_3", "wer", "length"):
@@ -51,14 +96,37 @@ def test_evaluate_prints_the_table_and_writes_json(tiny_run):
     result = json.loads((ckpt.parent / "eval-test.json").read_text())
     for key in ("count", "exprate", "within_1", "within_2", "within_3", "wer", "by_length"):
         assert key in result, key
-    assert result["count"] == 8 and result["split"] == "test" and result["beam_size"] == 10  # final_beam_size
-    assert sum(b["count"] for b in result["by_length"].values()) == 8
-    # one evaluation path: with the checkpoint's own config it reproduces the run's final test numbers (agreement
-    # only: that the figures themselves are right is pinned on hand-made predictions in tests/test_exact_eval.py)
-    metrics = json.loads((tiny_run / "metrics.json").read_text())
-    assert result["exprate"] == metrics["test_exprate"] and result["wer"] == pytest.approx(
-        metrics["test_wer"]
-    )
+    n = len(READ)
+    assert result["count"] == n and result["split"] == "test" and result["beam_size"] == 10  # final_beam_size
+    assert sum(b["count"] for b in result["by_length"].values()) == n
+    # one evaluation path: with the checkpoint's own config it reproduces the run's final test numbers, on a model
+    # that reads some expressions and not others (agreement only: that the figures themselves are right is pinned
+    # on hand-made predictions in tests/test_exact_eval.py)
+    metrics = json.loads((reading_run / "metrics.json").read_text())
+    assert_reads(result)
+    assert result["exprate"] == pytest.approx(metrics["test_exprate"])
+    assert result["within_1"] == pytest.approx(metrics["test_within_1"])
+    assert result["wer"] == pytest.approx(metrics["test_wer"])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="with data.normalize a run brings its images to data.ink_stroke/ink_symbol but records the ink measured "
+    "on them (with ranges) in its checkpoint, so evaluate.py (and a resumed run) bring theirs to another ink",
+)
+def test_evaluate_brings_the_images_to_the_ink_the_run_read(tmp_path, cache_dir):
+    """With data.normalize (wap_pkl's default) evaluate.py reads a checkpoint's test split at the checkpoint's ink
+    (load_splits(..., ink=model.ink_stats)): the pixels must be those the run itself was tested on."""
+    from conftest import TINY, build_trainer
+
+    from wapstable.data.batches import load_splits
+
+    data = [*write_read_set(tmp_path / "wap"), "data.normalize=true", "data.height=32"]
+    trainer = build_trainer([*TINY, *data], tmp_path / "run", cache_dir)
+    ran = trainer.splits["test"]
+    read = load_splits(trainer.cfg.data, which=("test",), ink=trainer.ink_stats)["test"]
+    assert [s.id for s in read] == [s.id for s in ran]
+    assert all(np.array_equal(a.image, b.image) for a, b in zip(read, ran))
 
 
 def test_evaluate_overrides_and_errors(tiny_run, tmp_path, capsys):
@@ -97,10 +165,10 @@ def test_evaluate_overrides_and_errors(tiny_run, tmp_path, capsys):
     assert proc.stderr.strip().count("\n") == 0 and "missing.pt does not exist" in proc.stderr
 
 
-def test_evaluate_writes_predictions_and_prints_the_frequent_edits(tiny_run, tmp_path, capsys):
+def test_evaluate_writes_predictions_and_prints_the_frequent_edits(reading_run, tmp_path, capsys):
     from wapstable.eval.metrics import confusions, edit_distance
 
-    ckpt = tiny_run / "checkpoints" / "best.pt"
+    ckpt = reading_run / "checkpoints" / "best.pt"
     evaluate = load_script("evaluate.py")
     path = tmp_path / "deep" / "pred.jsonl"
     out = tmp_path / "valid.json"
@@ -108,12 +176,16 @@ def test_evaluate_writes_predictions_and_prints_the_frequent_edits(tiny_run, tmp
     assert evaluate.main(args) == 0
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     result = json.loads(out.read_text())
-    assert len(rows) == result["count"] == 8 and len({r["id"] for r in rows}) == 8
+    n = len(READ)
+    assert len(rows) == result["count"] == n and [r["id"] for r in rows] == [f"r{i}" for i in range(n)]
     assert not list(path.parent.glob("*.tmp"))  # written whole, then renamed
+    assert [r["truth"] for r in rows] == [label.split() for _, label in READ]
     for r in rows:
         assert r["errors"] == edit_distance(r["truth"], r["prediction"])
-    # the records are the scored ones: their exact share is the ExpRate, their edits the WER
-    assert 100.0 * sum(r["errors"] == 0 for r in rows) / 8 == pytest.approx(result["exprate"])
+    # the records are the scored ones: their exact share is the ExpRate, their edits the WER (some read, some not)
+    assert_reads(result)
+    assert rows[0]["prediction"] == rows[-1]["prediction"]  # one image, one reading: x or y, not both right
+    assert 100.0 * sum(r["errors"] == 0 for r in rows) / n == pytest.approx(result["exprate"])
     edits, tokens = sum(r["errors"] for r in rows), sum(len(r["truth"]) for r in rows)
     assert 100.0 * edits / tokens == pytest.approx(result["wer"])
     # the printed edits are those of the records, most frequent first
@@ -224,7 +296,7 @@ def test_train_on_crohme_inkml(tmp_path, cache_dir):
     assert not (tmp_path / "fail" / "checkpoints").exists()
 
 
-def test_train_on_the_published_crohme_layout(tmp_path, cache_dir, tiny_run):
+def test_train_on_the_published_crohme_layout(tmp_path, cache_dir, tiny_run, monkeypatch):
     """data=crohme on CROHME_labeled_2016 as published: a held-out validation split, the 2014 and 2016 test sets
     reported apart over all of their files, init_from a model of the rendered data, evaluate.py one row per set."""
     from test_crohme import QUIRKS, published_layout
@@ -254,11 +326,30 @@ def test_train_on_the_published_crohme_layout(tmp_path, cache_dir, tiny_run):
         rows["test"]
     )  # the header: `test set total read ...`
     result = json.loads((run / "checkpoints" / "eval-test.json").read_text())
-    assert result["sets"]["2014"]["exprate"] == pytest.approx(float(rows["2014"][3]), abs=0.01)
-    # the run's own figures again: data=crohme kept the checkpoint's pixel settings (data.height=32), not the
-    # group's defaults (64), so the same images gave the same decodes
-    for name in ("2014", "2016"):
+    for name in ("2014", "2016"):  # the printed rows are the JSON's, and the run's own figures again
+        printed = [float(v) for v in rows[name][3:]]
+        keys = ("exprate", "within_1", "within_2", "within_3", "wer")
+        assert printed == pytest.approx([result["sets"][name][k] for k in keys], abs=0.01), name
         assert result["sets"][name]["wer"] == pytest.approx(sets[name]["wer"]), name
+    # Those figures cannot tell two sets of pixels apart: every training file holds the same ink, so the model reads
+    # nothing (WER 100 on both sides). What they stand for is checked directly: data=crohme kept the checkpoint's
+    # pixel settings (data.height=32), not the group's defaults (64), so evaluate.py decodes the run's images.
+    heights = []
+    real = evaluation.decode
+
+    def decode(model, images, image_mask, *args, **kw):
+        heights.extend(int(m.any(-1).sum()) for m in image_mask)  # each image's own height, padding left out
+        return real(model, images, image_mask, *args, **kw)
+
+    monkeypatch.setattr(evaluation, "decode", decode)
+    monkeypatch.setenv("WAPSTABLE_CACHE", str(cache_dir))
+    threads = torch.get_num_threads()
+    try:
+        args = [str(ckpt), "data=crohme", f"data.root={root}", "--out", str(tmp_path / "h.json")]
+        assert load_script("evaluate.py").main(args) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert len(heights) == 8 and set(heights) == {32}, heights
 
     one = script(
         "evaluate.py",

@@ -2,6 +2,7 @@
 guarded step that reads the device twice, a check that runs past its time limit) and the whole check with
 `--device cpu --quick`. The real check on a GPU is marked `cuda` and skips without one."""
 
+import contextlib
 import os
 import re
 import subprocess
@@ -145,6 +146,28 @@ def test_a_second_host_sync_per_step_fails(cache_dir, monkeypatch, capsys):
         assert rows[("nan skip", DEFAULT, precision)][0] == "PASS"
 
 
+def test_a_counter_that_counts_nothing_fails(cache_dir, monkeypatch, capsys):
+    """0 syncs per step is not a pass: the guard's own read is one, so a counter that sees none is broken."""
+    monkeypatch.setattr(gpu_check.SyncCounter, "_tensor_reads", lambda self: contextlib.nullcontext())
+    assert gpu_check.main([*QUICK, "--models", "default", "--cache-dir", str(cache_dir)]) == 1
+    rows = table(capsys.readouterr().out)
+    for precision in PRECISIONS:
+        result, figure, detail = rows[("host syncs", DEFAULT, precision)]
+        assert (result, figure) == ("FAIL", "0/step"), detail
+        assert "the counter is not counting" in detail
+        assert rows[("nan skip", DEFAULT, precision)][0] == "PASS"
+
+
+def test_the_counter_counts_a_host_read():
+    """The CPU counter sees a read of a tensor's value, with the line that made it, and nothing else."""
+    with gpu_check.SyncCounter(cuda=False).counting() as counter:
+        x = torch.ones(3) * 2  # work on the tensor, no read
+        line = sys._getframe().f_lineno + 1
+        value = x.sum().item()
+    assert value == 6.0 and counter.total == 1
+    assert dict(counter.where) == {f"test_gpu_check.py:{line}": 1}
+
+
 def test_past_the_time_limit_prints_what_finished_and_exits_1(cache_dir):
     proc = run_script([*QUICK, "--time-limit", "0.5"], cache_dir)
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -165,4 +188,17 @@ def test_gpu_check_on_cuda(cache_dir):
     for model in (DEFAULT, "densewap"):
         for precision in ("32", "fp16"):  # bf16 may be SKIP on a GPU older than compute capability 8
             assert rows[("nan skip", model, precision)][0] == "PASS"
-            assert rows[("host syncs", model, precision)][0] == "PASS"
+            # the guard's one read per step, seen: a counter that reads 0 fails here (and in the check itself)
+            assert rows[("host syncs", model, precision)][:2] == ("PASS", "1/step")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the counter's CUDA mode needs a CUDA GPU")
+def test_the_cuda_counter_counts_a_sync():
+    """set_sync_debug_mode's warnings are counted: a read of a CUDA tensor's value is at least one sync, device work
+    alone none."""
+    with gpu_check.SyncCounter(cuda=True).counting() as idle:
+        x = torch.ones(3, device="cuda") * 2
+    with gpu_check.SyncCounter(cuda=True).counting() as read:
+        value = x.sum().item()
+    assert idle.total == 0 and read.total >= 1 and value == 6.0

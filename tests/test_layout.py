@@ -43,8 +43,9 @@ def test_lower_layers_do_not_import_the_trainer_or_the_tools():
     assert not wrong, wrong
 
 
-def test_no_import_cycle():
-    graph = imports()
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of `graph` (module -> modules it imports), each as a path that ends where it starts: a
+    depth-first search that meets a module already on its path."""
     state: dict[str, int] = {}  # 1 = on the current path, 2 = done
     cycles = []
 
@@ -60,20 +61,32 @@ def test_no_import_cycle():
     for m in sorted(graph):
         if m not in state:
             visit(m, [m])
+    return cycles
+
+
+def test_no_import_cycle():
+    cycles = find_cycles(imports())
     assert not cycles, cycles
 
 
 def test_the_checker_sees_a_cycle(tmp_path, monkeypatch):
-    """The cycle test can fail: two modules importing each other are found."""
+    """The cycle test can fail: two modules importing each other (one of them lazily, in a function) are read as
+    such from their files, and the search finds the cycle."""
     pkg = tmp_path / "wapstable"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "a.py").write_text("from wapstable.b import x\n")
     (pkg / "b.py").write_text("def f():\n    from wapstable.a import y\n")
+    (pkg / "c.py").write_text("import wapstable.a\n")  # imports into the cycle, not part of it
     monkeypatch.setattr(__import__(__name__), "PACKAGE", pkg)
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     graph = imports()
     assert graph["wapstable.a"] == {"wapstable.b"} and graph["wapstable.b"] == {"wapstable.a"}
+    assert find_cycles(graph) == [["wapstable.a", "wapstable.b", "wapstable.a"]]
+    # a longer cycle, entered from outside it, and a graph without one
+    ring = {"p": {"q"}, "q": {"r"}, "r": {"p", "s"}, "s": set(), "o": {"q"}}
+    assert find_cycles(ring) == [["q", "r", "p", "q"]]
+    assert find_cycles({**ring, "r": {"s"}}) == []
 
 
 def test_only_the_entry_points_exit():

@@ -216,6 +216,7 @@ def test_the_finer_grid_readout_and_smoothing_run_end_to_end_through_train_py(tm
     import json
 
     from conftest import ROOT, python_run, run_train
+    from test_evaluate import LEARN, assert_reads, write_read_set
 
     from wapstable.checkpoint import load_checkpoint
     from wapstable.eval.evaluation import load_model
@@ -227,9 +228,12 @@ def test_the_finer_grid_readout_and_smoothing_run_end_to_end_through_train_py(tm
         "model.symbol_readout=true",
         "model.label_smoothing=0.1",
     ]
-    run_train([*opts, "trainer.max_steps=6", "trainer.eval_every=3", "logger=csv"], run, cache_dir)
+    # a data set the model learns by heart in LEARN's 60 steps: the figures compared below are not 0 == 0
+    data = write_read_set(tmp_path / "wap")
+    run_train([*opts, *data, *LEARN, "logger=csv"], run, cache_dir)
     metrics = json.loads((run / "metrics.json").read_text())
-    assert metrics["steps"] == 6 and math.isfinite(metrics["test_wer"])
+    assert metrics["steps"] == 60
+    assert_reads({"exprate": metrics["test_exprate"], "wer": metrics["test_wer"]})
     ckpt = run / "checkpoints" / "best.pt"
     model, _, _ = load_model(
         ckpt
@@ -242,9 +246,9 @@ def test_the_finer_grid_readout_and_smoothing_run_end_to_end_through_train_py(tm
     )
     assert proc.returncode == 0, proc.stderr
     result = json.loads((ckpt.parent / "eval-test.json").read_text())
-    assert result["exprate"] == metrics["test_exprate"] and result["wer"] == pytest.approx(
-        metrics["test_wer"]
-    )
+    assert result["exprate"] == pytest.approx(metrics["test_exprate"])
+    assert result["within_1"] == pytest.approx(metrics["test_within_1"])
+    assert result["wer"] == pytest.approx(metrics["test_wer"])
 
 
 @pytest.mark.parametrize(

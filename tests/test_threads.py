@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, run_train
+from conftest import ROOT, TINY, compose_config
 
 from wapstable.errors import UserError
 from wapstable.train.threads import CoreShare, parallel_jobs, resolve_threads
@@ -62,10 +62,34 @@ def test_parallel_jobs_of_a_joblib_sweep(cores):
     assert parallel_jobs(basic, {"max_batch_size": None}) == 1
 
 
-def test_a_run_logs_its_thread_count(tmp_path, cache_dir):
-    proc = run_train(["trainer.threads=auto"], tmp_path / "run", cache_dir)
-    expected = len(os.sched_getaffinity(0))
-    assert f"; device cpu; precision 32; {expected} threads" in proc.stdout + proc.stderr
+def unlike_this_machine() -> int:
+    """A core count that is neither this machine's (its affinity or all of its cores) nor TINY's one thread: a
+    run that ignored the pretended cores could not show it by chance."""
+    real = {os.cpu_count(), len(os.sched_getaffinity(0))}
+    return next(n for n in (3, 5, 7) if n not in real)
+
+
+def train_on_cores(tmp_path, cache_dir, cores, monkeypatch, caplog) -> str:
+    """A tiny training with trainer.threads=auto, in this process, on `cores` pretended cores; returns its log."""
+    from wapstable.train.loop import train
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    cfg = compose_config([*TINY, "trainer.threads=auto", "logger=csv"], run_dir=tmp_path / "run")
+    cfg.data.cache_dir = str(cache_dir)
+    before = torch.get_num_threads()
+    try:
+        with caplog.at_level("INFO", logger="wapstable"):
+            train(cfg)
+    finally:
+        torch.set_num_threads(before)
+    return caplog.text
+
+
+def test_a_run_logs_its_thread_count(tmp_path, cache_dir, monkeypatch, caplog):
+    cores = unlike_this_machine()
+    log = train_on_cores(tmp_path, cache_dir, cores, monkeypatch, caplog)
+    assert f"; device cpu; precision 32; {cores} threads" in log
 
 
 HOLD = """
@@ -125,24 +149,19 @@ def test_trainers_on_other_cores_are_not_counted(tmp_path, monkeypatch):
         torch.set_num_threads(before)
 
 
-def test_a_run_beside_another_trainer_starts_with_its_share(tmp_path, cache_dir):
-    other = hold_registration(tmp_path / "trainers")
+def test_a_run_beside_another_trainer_starts_with_its_share(tmp_path, cache_dir, monkeypatch, caplog):
+    trainers = tmp_path / "trainers"
+    other = hold_registration(trainers)  # on this machine's real cores, which the pretended ones include
+    monkeypatch.setenv("WAPSTABLE_TRAINERS_DIR", str(trainers))
+    share = unlike_this_machine()
+    cores = 2 * share  # two trainers on them: half each
     try:
-        run = tmp_path / "run"
-        run_train(
-            ["trainer.threads=auto"],
-            run,
-            cache_dir,
-            env_extra={"WAPSTABLE_TRAINERS_DIR": str(tmp_path / "trainers")},
-        )
+        log = train_on_cores(tmp_path, cache_dir, cores, monkeypatch, caplog)
     finally:
         other.kill()
         other.wait()
-    threads = max(1, len(os.sched_getaffinity(0)) // 2)
-    assert f"; {threads} threads" in (run / "train.log").read_text()
-    assert (
-        len(list((tmp_path / "trainers").glob("*.trainer"))) == 1
-    )  # the run removed its own, not the other's
+    assert f"; {share} threads" in log and f"; {cores} threads" not in log
+    assert len(list(trainers.glob("*.trainer"))) == 1  # the run removed its own, not the other's
 
 
 @pytest.mark.slow  # three tiny trainings after a warm-up, each in a fresh interpreter: make test-all

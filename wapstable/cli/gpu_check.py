@@ -16,8 +16,9 @@ Every check builds the real `Trainer` in this process, on the device, and takes 
    GradScaler's own skip (not counted against the skip budget), bit-exact as above, with the scale backed off.
 3. `host syncs`: host synchronisations per guarded normal step, counted with `torch.cuda.set_sync_debug_mode`
    (on the CPU: calls that copy a tensor's value to the host, the way `tests/test_step_guard.py` counts them).
-   Target: at most one, fp16 included: the guard already read that every gradient is finite, so it steps the
-   optimizer itself instead of through `GradScaler.step` (whose own found-inf read would be a second sync).
+   Target: exactly one, fp16 included: the guard already read that every gradient is finite, so it steps the
+   optimizer itself instead of through `GradScaler.step` (whose own found-inf read would be a second sync). Fewer
+   than one fails too: the guard's own read is a sync, so a counter that misses it is not counting.
 4. `ddp`: one process, world size 1, NCCL (gloo on the CPU) set up by the trainer's own `distributed.setup` from
    torchrun's variables, the model in DistributedDataParallel with the trainer's comm hook, and the collectives
    turned on (`Dist.enabled` is false for one process, which would leave NCCL unused): the weight-checksum
@@ -409,6 +410,11 @@ def check_syncs(ctx: Check, t: Trainer) -> tuple[str, str]:
     if own > 1:
         where = ", ".join(f"{k} x{v}" for k, v in counter.where.most_common(4))
         raise CheckFailed(f"more than one per step (target <= 1): {where}; {detail}", figure)
+    # the guard reads loss, norm and flags once per step: that read is a sync the counter must see
+    if own < 1:
+        raise CheckFailed(
+            f"fewer than the guard's own read per step: the counter is not counting; {detail}", figure
+        )
     return figure, detail
 
 

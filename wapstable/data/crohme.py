@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 from PIL import Image, ImageDraw
 
-from wapstable.data.cache import pack_images, unpack_images, write_npz
+from wapstable.data.cache import check_writable, code_hash, pack_images, read_npz, unpack_images, write_npz
 from wapstable.data.latex import (
     CROHME_2014_SYMBOLS,
     DataError,
@@ -367,18 +367,26 @@ class FolderRead(NamedTuple):
         return dict(Counter(reason for reason, _ in self.errors))
 
 
-# bump whenever the reader, the normaliser or the rasteriser changes what a file gives
+# The modules whose code turns a file into a sample (the reader, the label normaliser, the rasteriser, data.redraw's
+# strokes, the file's layout): a change to them reads every folder again by itself (cache.code_hash).
+READING_CODE = (
+    "wapstable.data.crohme",
+    "wapstable.data.latex",
+    "wapstable.data.handwriting",
+    "wapstable.data.cache",
+)
 # 2: each sample's symbol boxes (from the traceGroups) are cached beside its pixels
 # 3: bare groups' braces dropped and a superscript put after its subscript by the normaliser
 CACHE_FORMAT = 3
 
 
 def _folder_key(folder: Path, files: list[Path], raster: Raster, redraw: Redraw | None = None) -> str:
+    """The cache key of `folder`'s samples: its files (names, sizes, times), the raster, the drawing and the code."""
     listing = [(str(f.relative_to(folder)), st.st_size, st.st_mtime_ns) for f in files for st in [f.stat()]]
     drawing = (
         [] if redraw is None else [redraw._asdict()]
     )  # the file's own drawing keeps the keys it always had
-    blob = json.dumps([CACHE_FORMAT, raster._asdict(), listing, *drawing])
+    blob = json.dumps([CACHE_FORMAT, code_hash(*READING_CODE), raster._asdict(), listing, *drawing])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -400,21 +408,21 @@ def _save_folder(path: Path, read: FolderRead) -> None:
     write_npz(path, arrays)
 
 
-def _load_folder(path: Path) -> FolderRead:
-    with np.load(path, allow_pickle=False) as z:
-        meta = json.loads(str(z["meta"]))
-        ids, labels, images = z["ids"], z["tokens"], unpack_images(z["shapes"], z["pixels"])
-        if not len(ids) == len(labels) == len(images):
-            raise ValueError("the arrays do not agree")
-        tokens = [str(t).split(" ") for t in labels]
-        ends = np.cumsum([len(t) for t in tokens], dtype=np.int64)
-        boxes, has = z["boxes"], z["has_boxes"]
-        if boxes.shape != (int(ends[-1]) if len(ends) else 0, 4) or len(has) != len(ids):
-            raise ValueError("the boxes do not agree with the labels")
-        samples = [
-            Sample(str(i), im, t, boxes[end - len(t) : end] if ok else None)
-            for i, t, im, end, ok in zip(ids, tokens, images, ends, has)
-        ]
+def _load_folder(z) -> FolderRead:
+    """The FolderRead of an open cache file `z`; ValueError when its arrays disagree."""
+    meta = json.loads(str(z["meta"]))
+    ids, labels, images = z["ids"], z["tokens"], unpack_images(z["shapes"], z["pixels"])
+    if not len(ids) == len(labels) == len(images):
+        raise ValueError("the arrays do not agree")
+    tokens = [str(t).split(" ") for t in labels]
+    ends = np.cumsum([len(t) for t in tokens], dtype=np.int64)
+    boxes, has = z["boxes"], z["has_boxes"]
+    if boxes.shape != (int(ends[-1]) if len(ends) else 0, 4) or len(has) != len(ids):
+        raise ValueError("the boxes do not agree with the labels")
+    samples = [
+        Sample(str(i), im, t, boxes[end - len(t) : end] if ok else None)
+        for i, t, im, end, ok in zip(ids, tokens, images, ends, has)
+    ]
     return FolderRead(samples, [tuple(e) for e in meta["errors"]], int(meta["total"]))
 
 
@@ -448,19 +456,11 @@ def read_folder(
     if cache_dir:
         key = _folder_key(folder, files, raster, redraw)
         cache = Path(cache_dir).expanduser() / "crohme" / key / f"{folder.name}.npz"
-        if cache.is_file():
-            try:
-                read = _load_folder(cache)
-                log.info("loaded %d CROHME samples of %s from %s", len(read.samples), folder, cache)
-                return read
-            except Exception as e:  # a torn or foreign file is only a lost cache
-                log.warning(
-                    "CROHME cache %s is unreadable (%s: %s); reading %s again",
-                    cache,
-                    type(e).__name__,
-                    e,
-                    folder,
-                )
+        read = read_npz(cache, _load_folder, f"reading {folder} again")
+        if read is not None:
+            log.info("loaded %d CROHME samples of %s from %s", len(read.samples), folder, cache)
+            return read
+        check_writable(cache.parent)  # before the reading, not after
     from tqdm import tqdm
 
     samples, errors, seen = [], [], {}

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from wapstable.data.cache import pack_images, unpack_images, write_npz
+from wapstable.data.cache import check_writable, code_hash, pack_images, read_npz, unpack_images, write_npz
 from wapstable.data.crohme import held_out
 from wapstable.data.latex import DataError, check_on_error, normalize_crohme, on_data_error, tokenize_latex
 from wapstable.data.normalize import normalize, read_image
@@ -34,7 +34,15 @@ from wapstable.errors import UserError
 log = logging.getLogger(__name__)
 
 EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp")
-CACHE_FORMAT = 1  # bump whenever reading or normalising a label or an image changes what a file gives
+CACHE_FORMAT = 1
+# The modules whose code turns a caption line and its image into a sample: a change to them reads every folder again
+# by itself (cache.code_hash).
+READING_CODE = (
+    "wapstable.data.images",
+    "wapstable.data.normalize",
+    "wapstable.data.latex",
+    "wapstable.data.cache",
+)
 
 
 def find_layout(root: Path, part: str) -> tuple[Path, Path]:
@@ -78,8 +86,18 @@ def read_picture(path: Path) -> np.ndarray:
 
 def _key(captions: Path, files: list[Path], crohme: bool) -> str:
     listing = [(f.name, st.st_size, st.st_mtime_ns) for f in [captions, *files] for st in [f.stat()]]
-    blob = json.dumps([CACHE_FORMAT, crohme, str(captions.resolve()), listing])
+    blob = json.dumps([CACHE_FORMAT, code_hash(*READING_CODE), crohme, str(captions.resolve()), listing])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _load_part(z) -> tuple[list[Sample], list[tuple[str, str]], int]:
+    """read_part's answer from an open cache file `z`; ValueError when its arrays disagree."""
+    meta = json.loads(str(z["meta"]))
+    ids, labels, images = z["ids"], z["tokens"], unpack_images(z["shapes"], z["pixels"])
+    if not len(ids) == len(labels) == len(images):
+        raise ValueError("the arrays do not agree")
+    samples = [Sample(str(i), im, str(t).split(" ")) for i, t, im in zip(ids, labels, images)]
+    return samples, [tuple(e) for e in meta["errors"]], int(meta["total"])
 
 
 def read_part(
@@ -92,19 +110,11 @@ def read_part(
     cache = None
     if cache_dir:
         cache = Path(cache_dir).expanduser() / "images" / _key(captions, files, crohme) / f"{part}.npz"
-        if cache.is_file():
-            try:
-                with np.load(cache, allow_pickle=False) as z:
-                    meta = json.loads(str(z["meta"]))
-                    images = unpack_images(z["shapes"], z["pixels"])
-                    samples = [
-                        Sample(str(i), im, str(t).split(" "))
-                        for i, t, im in zip(z["ids"], z["tokens"], images)
-                    ]
-                log.info("loaded %d images of %s from %s", len(samples), part, cache)
-                return samples, [tuple(e) for e in meta["errors"]], int(meta["total"])
-            except Exception as e:  # a torn or foreign file is only a lost cache
-                log.warning("images cache %s is unreadable (%s); reading %s again", cache, e, folder)
+        cached = read_npz(cache, _load_part, f"reading {folder} again")
+        if cached is not None:
+            log.info("loaded %d images of %s from %s", len(cached[0]), part, cache)
+            return cached
+        check_writable(cache.parent)  # before the reading, not after
     by_name = {f.name: f for f in files}
     by_stem = {}
     for f in files:
@@ -142,12 +152,7 @@ def read_part(
             "pixels": pixels,
             "meta": np.array(json.dumps({"errors": errors, "total": len(lines)})),
         }
-        try:
-            write_npz(cache, arrays)
-        except OSError as e:  # a read-only or full cache folder costs the next run a re-read, not this run
-            log.warning(
-                "cannot write the images cache %s (%s); the next run reads %s again", cache, e, folder
-            )
+        write_npz(cache, arrays)
     return samples, errors, len(lines)
 
 

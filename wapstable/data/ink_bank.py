@@ -1,10 +1,10 @@
 """Real handwritten symbols for data.style=handwritten (data.glyphs=crohme): the strokes of every symbol the CROHME
 training files segment, cut out by their traceGroups (each names one symbol and its traces).
 
-The bank is read once from `data.root/data.train` and cached under `data.cache_dir/glyphs/`. Files whose expression
-is held out for validation (`data.valid_fraction`, by the hash of its label, as data=crohme holds it out) give no
-ink, so a CROHME run's validation writers' expressions stay unseen. Every symbol keeps at most MAX_PER_SYMBOL
-samples, spread evenly over the sorted files (and so over the sources and writers).
+The bank is read once from `data.root/data.train` and cached under `data.cache_dir/glyphs/` (a torn file is cut
+again). Files whose expression is held out for validation (`data.valid_fraction`, by the hash of its label, as
+data=crohme holds it out) give no ink, so a CROHME run's validation writers' expressions stay unseen. Every symbol
+keeps at most MAX_PER_SYMBOL samples, spread evenly over the sorted files (and so over the sources and writers).
 """
 
 import hashlib
@@ -16,13 +16,20 @@ from pathlib import Path
 
 import numpy as np
 
-from wapstable.data.cache import write_npz
+from wapstable.data.cache import check_writable, code_hash, read_npz, write_npz
 from wapstable.data.crohme import DICTIONARY, _local, held_out, parse_trace, read_truth
 from wapstable.data.latex import DataError, normalize_crohme, tokenize_latex
 
 log = logging.getLogger(__name__)
 
 BANK_FORMAT = 2  # 2: roots (a lone \\sqrt truth) are kept
+# The modules whose code cuts the symbols: a change to them cuts the bank again by itself (cache.code_hash).
+CUTTING_CODE = (
+    "wapstable.data.ink_bank",
+    "wapstable.data.crohme",
+    "wapstable.data.latex",
+    "wapstable.data.cache",
+)
 MAX_PER_SYMBOL = 400
 # what a traceGroup's symbol is drawn for: a fraction's bar is written as a minus
 SAME_INK = {"\\frac": "-"}
@@ -69,7 +76,7 @@ def read_symbols(path: Path) -> tuple[list[str], list[tuple[str, list[np.ndarray
 
 def _key(folder: Path, files: list[Path], valid_fraction: float) -> str:
     listing = [(str(f.relative_to(folder)), st.st_size, st.st_mtime_ns) for f in files for st in [f.stat()]]
-    blob = json.dumps([BANK_FORMAT, MAX_PER_SYMBOL, float(valid_fraction), listing])
+    blob = json.dumps([BANK_FORMAT, code_hash(*CUTTING_CODE), MAX_PER_SYMBOL, float(valid_fraction), listing])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -85,7 +92,8 @@ def bank_path(folder: str | Path, valid_fraction: float, cache_dir: str | Path) 
     if not files:
         raise DataError(f"data.glyphs=crohme: {folder} has no .inkml files to cut symbols from")
     path = cache_file(cache_dir, _key(folder, files, valid_fraction))
-    if not path.is_file():
+    if read_npz(path, _unpack, f"cutting the symbols of {folder} again") is None:
+        check_writable(path.parent)  # before the cutting, not after
         _save(path, _build(files, valid_fraction))
     return path
 
@@ -149,11 +157,21 @@ def _save(path: Path, bank: Bank) -> None:
 
 @lru_cache(maxsize=2)
 def load_bank(path: str) -> Bank:
-    """The bank cached at `path` (bank_path); loaded once per process (render workers fork with it)."""
+    """The bank cached at `path` (bank_path, which checked it); loaded once per process (render workers fork with
+    it)."""
     with np.load(path, allow_pickle=False) as z:
-        if int(z["format"]) != BANK_FORMAT:
-            raise ValueError(f"{path} is a symbol bank of format {int(z['format'])}, not {BANK_FORMAT}")
-        tokens, counts, lengths, points = z["tokens"], z["counts"], z["lengths"], z["points"]
+        return _unpack(z)
+
+
+def _unpack(z) -> Bank:
+    """The bank of an open cache file `z`; ValueError when it is of another format or its arrays disagree."""
+    if int(z["format"]) != BANK_FORMAT:
+        raise ValueError(f"a symbol bank of format {int(z['format'])}, not {BANK_FORMAT}")
+    tokens, counts, lengths, points = z["tokens"], z["counts"], z["lengths"], z["points"]
+    if len(tokens) != len(counts) or counts.sum() != len(lengths) or lengths.sum() != len(points):
+        raise ValueError("the tokens, stroke counts, stroke lengths and points do not agree")
+    if points.ndim != 2 or points.shape[1] != 2 or (counts < 1).any() or (lengths < 1).any():
+        raise ValueError(f"{points.shape} points, or a symbol or stroke of none, are not a bank's")
     ends = np.cumsum(lengths)
     strokes = np.split(points.astype(np.float64), ends[:-1]) if len(lengths) else []
     bank: Bank = {}

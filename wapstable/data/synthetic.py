@@ -4,7 +4,8 @@ A small recursive grammar emits CROHME-style token lists (every token separate, 
 mathtext rasterises them through Agg straight into memory, and torchvision's v2 kernels bend the result a little
 so it looks less typeset. Everything random is drawn from numpy Generators seeded by (seed, split, index), so a
 config gives bit-identical data however many worker processes render it. The splits are rendered once and
-cached as an .npz under `cache_dir/synthetic/<hash of the parameters>/`.
+cached as an .npz under `cache_dir/synthetic/<hash of the parameters>/`, the parameters holding every data key that
+changes the pixels and the hash of the code that draws them (DRAWING_CODE).
 """
 
 import hashlib
@@ -28,16 +29,24 @@ from matplotlib import _mathtext
 from matplotlib.font_manager import FontProperties
 from matplotlib.mathtext import MathTextParser
 
-from wapstable.data.cache import pack_images, unpack_images, write_npz
+from wapstable.data.cache import check_writable, code_hash, pack_images, read_npz, unpack_images, write_npz
 from wapstable.data.sample import Sample, no_boxes
 from wapstable.errors import UserError
 
 log = logging.getLogger(__name__)
 
-# bump whenever the grammar, the renderer or the cache layout changes what a config produces
+# The modules whose code draws the splits (the grammar, mathtext's and the stroke fonts' renderers, the raster, the
+# file's layout): a change to them renders the splits again by itself (cache.code_hash). The version numbers below
+# date from before the hash; bumping them still renders again.
+DRAWING_CODE = (
+    "wapstable.data.synthetic",
+    "wapstable.data.handwriting",
+    "wapstable.data.crohme",
+    "wapstable.data.cache",
+)
 # 2: each sample's symbol boxes are cached beside its pixels (the pixels are those of version 1)
 FORMAT_VERSION = 2
-# bump whenever data.style=handwritten draws other strokes for the same config (2: roots drawn in every font set)
+# data.style=handwritten's strokes (2: roots drawn in every font set)
 HANDWRITING_VERSION = 2
 SPLITS = ("train", "valid", "test")
 # data.jitter, data.distort, data.allographs, data.script_place, data.font_mix, data.spacing and data.size_jitter at
@@ -1150,6 +1159,7 @@ def _cache_params(cfg) -> dict:
         torch=torch.__version__,
         torchvision=importlib.metadata.version("torchvision"),
         numpy=np.__version__,
+        code=code_hash(*DRAWING_CODE),
         # only when not the default, so that the caches of default configs stay valid
         **({"symbols": _key(cfg, "symbols")} if _key(cfg, "symbols") != "base" else {}),
         **({"frequencies": _key(cfg, "frequencies")} if _key(cfg, "frequencies") != "grammar" else {}),
@@ -1257,26 +1267,32 @@ def _save(path: Path, splits: dict[str, list[Sample]], params: dict) -> None:
     write_npz(path, arrays, compress=True)
 
 
-def _load(path: Path, params: dict) -> dict[str, list[Sample]]:
+def _load(z, params: dict) -> dict[str, list[Sample]]:
+    """The splits of an open cache file `z`; ValueError when it holds other parameters or its arrays disagree."""
+    if json.loads(str(z["params"])) != params:
+        raise ValueError("the cached parameters differ from the config")
     splits = {}
-    with np.load(path, allow_pickle=False) as z:
-        if json.loads(str(z["params"])) != params:
-            raise ValueError("the cached parameters differ from the config")
-        for split in SPLITS:
-            shapes, pixels, labels = z[f"{split}_shapes"], z[f"{split}_pixels"], z[f"{split}_tokens"]
-            if len(shapes) != params[f"num_{split}"] or len(labels) != len(shapes):
-                raise ValueError(f"{split} holds {len(shapes)} samples, expected {params[f'num_{split}']}")
-            images = unpack_images(shapes, pixels)
-            tokens = [str(label).split(" ") for label in labels]
-            boxes = z[f"{split}_boxes"]
-            ends = np.cumsum([len(t) for t in tokens], dtype=np.int64)
-            if boxes.shape != (int(ends[-1]) if len(ends) else 0, 4):
-                raise ValueError(f"{split} holds {len(boxes)} token boxes for {ends[-1]} tokens")
-            splits[split] = [
-                Sample(f"{split}-{i:06d}", image, t, boxes[end - len(t) : end])
-                for i, (image, t, end) in enumerate(zip(images, tokens, ends))
-            ]
+    for split in SPLITS:
+        shapes, pixels, labels = z[f"{split}_shapes"], z[f"{split}_pixels"], z[f"{split}_tokens"]
+        if len(shapes) != params[f"num_{split}"] or len(labels) != len(shapes):
+            raise ValueError(f"{split} holds {len(shapes)} samples, expected {params[f'num_{split}']}")
+        images = unpack_images(shapes, pixels)
+        tokens = [str(label).split(" ") for label in labels]
+        boxes = z[f"{split}_boxes"]
+        ends = np.cumsum([len(t) for t in tokens], dtype=np.int64)
+        if boxes.shape != (int(ends[-1]) if len(ends) else 0, 4):
+            raise ValueError(f"{split} holds {len(boxes)} token boxes for {ends[-1]} tokens")
+        splits[split] = [
+            Sample(f"{split}-{i:06d}", image, t, boxes[end - len(t) : end])
+            for i, (image, t, end) in enumerate(zip(images, tokens, ends))
+        ]
     return splits
+
+
+def cache_path(cache_dir, params: dict) -> Path:
+    """The cache file of the splits of `params` (_cache_params) under `cache_dir`: named by their hash."""
+    key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(cache_dir).expanduser() / "synthetic" / key / "splits.npz"
 
 
 def build_splits(cfg) -> dict[str, list[Sample]]:
@@ -1286,18 +1302,12 @@ def build_splits(cfg) -> dict[str, list[Sample]]:
     so growing num_train leaves valid and test unchanged.
     """
     params = _cache_params(cfg)
-    key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
-    path = Path(cfg.cache_dir).expanduser() / "synthetic" / key / "splits.npz"
-    if path.exists():
-        try:
-            splits = _load(path, params)
-            log.info("loaded synthetic splits from %s", path)
-            return splits
-        except Exception as e:  # a torn or foreign file is only a lost cache, never a failed run
-            log.warning(
-                "synthetic cache %s is unreadable (%s: %s); rendering it again", path, type(e).__name__, e
-            )
-
+    path = cache_path(cfg.cache_dir, params)
+    splits = read_npz(path, lambda z: _load(z, params), "rendering it again")
+    if splits is not None:
+        log.info("loaded synthetic splits from %s", path)
+        return splits
+    check_writable(path.parent)  # before the render, not after
     labels, taken = {}, frozenset()
     for code, split in reversed(list(enumerate(SPLITS))):
         rng = _rng(params["seed"], _LABELS, code)
