@@ -255,7 +255,9 @@ def write_folders(tmp: Path) -> None:
     wap = tmp / "WAPDIR"
     wap.mkdir()
     tokens = sorted({t for label in LABELS for t in label.split()})
-    (wap / "dictionary.txt").write_text("".join(f"{t}\t{i + 1}\n" for i, t in enumerate(tokens)))
+    (wap / "dictionary.txt").write_text(
+        "<eol>\t0\n" + "".join(f"{t}\t{i + 1}\n" for i, t in enumerate(tokens))
+    )
     for split, n in (("train", 3), ("valid", 1), ("test", 1)):
         samples = [
             Sample(f"{split}{k}", np.asarray(picture(label, 24, dark_on_light=False)), label.split())
@@ -283,7 +285,9 @@ def argv(command: str, tmp: Path, extra: list[str]) -> list[str]:
         if sweep:
             args.append(f"hydra.sweep.dir={tmp / 'multirun' / 'sweep'}")
         resumed = any(a.startswith("resume=") for a in args)
-        return [sys.executable, str(script), *([] if resumed else TINY), *args, *extra]
+        flags = ["-m"] if sweep else []
+        args = [a for a in args if a != "-m"]
+        return [sys.executable, str(script), *flags, *([] if resumed else TINY), *args, *extra]
     return [sys.executable, str(script), *args, *extra]
 
 
@@ -297,7 +301,14 @@ def test_the_readme_commands_run(tmp_path, cache_dir):
     env = {**os.environ, "WAPSTABLE_CACHE": str(cache_dir), "HYDRA_FULL_ERROR": "1"}
     # RUN: a finished tiny run with a checkpoint and gradient statistics, as the README's RUN is
     proc = python_run(
-        [sys.executable, str(ROOT / "train.py"), *TINY, "stats.every=1", f"hydra.run.dir={tmp_path / 'RUN'}"],
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            *TINY,
+            "stats.every=1",
+            "data.symbols=crohme",
+            f"hydra.run.dir={tmp_path / 'RUN'}",
+        ],
         cwd=tmp_path,
         env=env,
     )
