@@ -196,6 +196,21 @@ def run_train(args, run_dir, cache_dir, check=True, timeout=600, env_extra=None,
     return proc
 
 
+def refusal_in_process(args, run_dir, cache_dir) -> str:
+    """The one sentence `train()` refuses `args` with (tiny settings), in this process: the refusal's logic at a
+    fraction of a process's cost. The families of refusals check every case this way and a few through the real
+    `python train.py` (exit status, stderr, nothing written), the rest of those under `make test-all`."""
+    from wapstable.errors import UserError
+    from wapstable.train.loop import train
+
+    cfg = compose_config([*TINY, *args], run_dir=run_dir)
+    cfg.data.cache_dir = str(cache_dir)
+    with pytest.raises(UserError) as refused:
+        train(cfg)
+    assert not (Path(run_dir) / "metrics.json").exists() and not (Path(run_dir) / "checkpoints").exists()
+    return str(refused.value)
+
+
 def run_multirun(args, sweep_dir, cache_dir, check=True, timeout=1200):
     """`python train.py -m` with tiny settings into `sweep_dir` (one process, every job in it)."""
     cmd = [sys.executable, str(ROOT / "train.py"), "-m", *TINY, f"hydra.sweep.dir={sweep_dir}", *args]

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY, run_train
+from conftest import ROOT, TINY, refusal_in_process, run_train
 
 from wapstable import checkpoint
 from wapstable.checkpoint import FORMAT, VERSION, load_checkpoint, save_checkpoint
@@ -76,56 +76,77 @@ def train_into(run, cache_dir, *args):
 # ---- config ----
 
 
+BAD_CONFIG = [
+    (["clip=foo"], 1, ["Could not find 'clip/foo'", "autoclip"]),  # unknown group option
+    (["trainer.max_steps=ten"], 1, ["trainer.max_steps", "'ten'"]),  # wrong type
+    (["clip.max_norm=-1"], 2, ["error: clip.max_norm=-1.0 must be positive for clip=norm"]),
+    (["clip=value", "clip.value=0"], 2, ["error: clip.value=0.0 must be positive for clip=value"]),
+    (["trainer.max_steps=0"], 2, ["error: trainer.max_steps=0 must be a positive number of steps"]),
+    (["data.bucket_by=width"], 1, ["Invalid value 'width', expected one of [size, tokens]"]),
+    (
+        ["optim._target_=torch.optim.Nope"],
+        2,
+        ["error: optim._target_=torch.optim.Nope is not an importable optimizer class"],
+    ),
+    (
+        ["guard.snapshot_every=-1"],
+        2,
+        ["error: guard.snapshot_every and guard.max_rollbacks must be >= 0"],
+    ),
+    (["guard.lr_backoff=2"], 2, ["error: guard.lr_backoff and guard.clip_backoff must be in (0, 1]"]),
+    (["model.block_convs=[1,2]"], 2, ["error: model.block_convs=[1, 2] must give one count"]),
+    (
+        ["model.attention.position_features=6"],
+        2,
+        ["model.attention.position_features must be a multiple"],
+    ),
+    (["trainer.threads=-3"], 2, ["error: trainer.threads=-3 is not a thread count; use auto"]),
+    (["trainer.threads=many"], 2, ["error: trainer.threads=many is not a thread count; use auto"]),
+    (["decode.scales=[1.0,0]"], 2, ["error: decode.scales=[1.0, 0.0] must list one or more factors in"]),
+]
+BAD_CONFIG_IDS = [
+    "unknown-option",
+    "wrong-type",
+    "negative-clip",
+    "zero-clip",
+    "zero-steps",
+    "bucket",
+    "optimizer-class",
+    "snapshot-every",
+    "backoff",
+    "block-convs",
+    "positions",
+    "negative-threads",
+    "threads-word",
+    "test-scales",
+]
+# through train.py in make test: Hydra's refusals (exit 1) and two of train()'s (exit 2); the rest under make test-all
+BY_TRAIN_PY = {"unknown-option", "wrong-type", "bucket", "zero-steps", "optimizer-class"}
+
+
 @pytest.mark.parametrize(
     "args,code,messages",
     [
-        (["clip=foo"], 1, ["Could not find 'clip/foo'", "autoclip"]),  # unknown group option
-        (["trainer.max_steps=ten"], 1, ["trainer.max_steps", "'ten'"]),  # wrong type
-        (["clip.max_norm=-1"], 2, ["error: clip.max_norm=-1.0 must be positive for clip=norm"]),
-        (["clip=value", "clip.value=0"], 2, ["error: clip.value=0.0 must be positive for clip=value"]),
-        (["trainer.max_steps=0"], 2, ["error: trainer.max_steps=0 must be a positive number of steps"]),
-        (["data.bucket_by=width"], 1, ["Invalid value 'width', expected one of [size, tokens]"]),
-        (
-            ["optim._target_=torch.optim.Nope"],
-            2,
-            ["error: optim._target_=torch.optim.Nope is not an importable optimizer class"],
-        ),
-        (
-            ["guard.snapshot_every=-1"],
-            2,
-            ["error: guard.snapshot_every and guard.max_rollbacks must be >= 0"],
-        ),
-        (["guard.lr_backoff=2"], 2, ["error: guard.lr_backoff and guard.clip_backoff must be in (0, 1]"]),
-        (["model.block_convs=[1,2]"], 2, ["error: model.block_convs=[1, 2] must give one count"]),
-        (
-            ["model.attention.position_features=6"],
-            2,
-            ["model.attention.position_features must be a multiple"],
-        ),
-        (["trainer.threads=-3"], 2, ["error: trainer.threads=-3 is not a thread count; use auto"]),
-        (["trainer.threads=many"], 2, ["error: trainer.threads=many is not a thread count; use auto"]),
-        (["decode.scales=[1.0,0]"], 2, ["error: decode.scales=[1.0, 0.0] must list one or more factors in"]),
+        c if name in BY_TRAIN_PY else pytest.param(*c, marks=pytest.mark.slow)
+        for c, name in zip(BAD_CONFIG, BAD_CONFIG_IDS)
     ],
-    ids=[
-        "unknown-option",
-        "wrong-type",
-        "negative-clip",
-        "zero-clip",
-        "zero-steps",
-        "bucket",
-        "optimizer-class",
-        "snapshot-every",
-        "backoff",
-        "block-convs",
-        "positions",
-        "negative-threads",
-        "threads-word",
-        "test-scales",
-    ],
+    ids=BAD_CONFIG_IDS,
 )
 def test_bad_config(run_dir, cache_dir, args, code, messages):
     before = files(run_dir)
     refused(train_into(run_dir, cache_dir, *args), run_dir, before, *messages, code=code)
+
+
+@pytest.mark.parametrize(
+    "args,messages",
+    [(args, messages) for args, code, messages in BAD_CONFIG if code == 2],
+    ids=[name for (_, code, _), name in zip(BAD_CONFIG, BAD_CONFIG_IDS) if code == 2],
+)
+def test_bad_config_in_process(tmp_path, cache_dir, args, messages):
+    """Each of train()'s refusals (exit 2 from train.py), in this process: the sentence, before anything is written."""
+    said = refusal_in_process(args, tmp_path / "run", cache_dir)
+    for words in messages:
+        assert words.removeprefix("error: ") in said
 
 
 # ---- data ----

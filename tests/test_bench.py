@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+import pytest
 from conftest import ROOT, python_run
 
 CLIP_MODES = {"none", "norm", "value", "inf", "agc", "autoclip"}
@@ -16,6 +17,7 @@ def positive(x) -> bool:
     return isinstance(x, int | float) and x > 0
 
 
+@pytest.mark.slow  # make test-all (make test stays under 5 minutes)
 def test_bench_quick(tmp_path, cache_dir):
     out = tmp_path / "bench.json"
     env = {**os.environ, "WAPSTABLE_CACHE": str(cache_dir), "HYDRA_FULL_ERROR": "1"}

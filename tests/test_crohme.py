@@ -551,6 +551,7 @@ def test_read_folder_in_worker_processes_reads_the_same(tmp_path):
         assert one.reasons() == {"malformed XML": 1}
 
 
+@pytest.mark.slow  # make test-all (make test stays under 5 minutes)
 def test_redraw_trains_end_to_end(tmp_path):
     from conftest import run_train
 

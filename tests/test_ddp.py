@@ -132,6 +132,7 @@ def test_nan_on_rank1_skips_on_both_ranks_and_resumes(tmp_path, cache_dir):
     assert csv_steps(run / "metrics.csv") == list(range(1, 8))  # the checkpoint's logger config, appended to
 
 
+@pytest.mark.slow  # make test-all; make test keeps test_nan_on_rank1_skips_on_both_ranks and the collectives
 def test_diverged_replicas_stop_the_run(tmp_path, cache_dir):
     # lr_spike on rank 1 only: that rank steps with another lr, the weights part, the check stops the run.
     run = tmp_path / "run"

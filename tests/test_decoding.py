@@ -242,6 +242,7 @@ def test_length_power_picks_the_exhaustive_best_of_its_own_score():
     assert changed > 0
 
 
+@pytest.mark.slow  # make test-all (make test stays under 5 minutes)
 def test_length_power_is_checked_before_a_run(tmp_path, cache_dir):
     from conftest import run_train
 

@@ -270,6 +270,7 @@ def crohme_root(tmp_path):
     return root
 
 
+@pytest.mark.slow  # make test-all (make test stays under 5 minutes)
 def test_train_on_crohme_inkml(tmp_path, cache_dir):
     """The layout a user has (train/valid/test folders of InkML), and the fail/skip policy."""
     root = crohme_root(tmp_path)

@@ -59,6 +59,7 @@ def test_without_cuda_one_sentence_and_exit_2(cache_dir, monkeypatch):
         gpu_check.main(["--quick"])
 
 
+@pytest.mark.slow  # make test-all (make test stays under 5 minutes)
 def test_make_gpu_check_without_cuda(cache_dir):
     # -o: leave the environment as it is (no pip install); PY: this interpreter
     make = ["make", "-s", "-o", ".venv/.installed", "gpu-check", f"PY={sys.executable}", "ARGS=--quick"]

@@ -103,7 +103,7 @@ def test_consecutive_budget_stops_with_checkpoint(tmp_path, cache_dir):
     assert (run / "checkpoints" / "last.pt").is_file()
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp16", marks=pytest.mark.slow)])
 def test_reduced_precision_runs_and_guards(tmp_path, cache_dir, precision):
     run = tmp_path / "run"
     run_train([f"trainer.precision={precision}", "fault=nan_input", "fault.step=1"], run, cache_dir)

@@ -6,7 +6,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from conftest import compose_config, run_train
+from conftest import compose_config, refusal_in_process, run_train
 
 from wapstable.data import handwriting as hw
 from wapstable.data import synthetic as S
@@ -107,6 +107,7 @@ def test_every_dictionary_symbol_is_drawn_where_its_box_says(crohme_labels, styl
             assert patch.size and patch.max() > 0, f"{tok} in {' '.join(tokens)}: no ink in its box"
 
 
+@pytest.mark.slow  # make test-all (make test stays under 5 minutes)
 def test_every_glyph_the_layout_uses_has_strokes(crohme_labels):
     """No glyph of the dictionary falls back to the placeholder stroke, in any text font: each has its own
     strokes from the Hershey fonts or from DRAWN."""
@@ -248,6 +249,7 @@ def _changes_exactly_where(tmp_path, key: str, touches) -> None:
     assert 0 < count < len(plain["train"])  # both kinds occur, so the test tells them apart
 
 
+@pytest.mark.slow  # make test-all (make test stays under 5 minutes)
 def test_allographs_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
     """data.allographs draws another image exactly where a label holds a symbol with other forms."""
     names = ("\\sin", "\\cos", "\\tan", "\\log", "\\lim")  # drawn as their letters
@@ -305,6 +307,7 @@ def test_more_forms_draw_their_symbols_and_roots_by_their_chance():
     assert seen == set(range(len(hw.RADICALS)))
 
 
+@pytest.mark.slow  # make test-all (make test stays under 5 minutes)
 def test_more_forms_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
     """data.more_forms draws another image exactly where a label holds a symbol of MORE_FORMS or a root."""
     names = ("\\sin", "\\cos", "\\tan", "\\log", "\\lim")  # drawn as their letters
@@ -371,6 +374,7 @@ def test_script_place_puts_scripts_where_writers_do():
     assert np.allclose(layout[i] - layout[total], placed[i] - placed[total], atol=1.0)
 
 
+@pytest.mark.slow  # make test-all (make test stays under 5 minutes)
 def test_script_place_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
     """data.script_place draws another image exactly where a label has a script on a drawn base."""
     _changes_exactly_where(tmp_path, "script_place", lambda tokens: bool(hw._script_groups(tokens)))
@@ -412,6 +416,7 @@ def test_font_mix_draws_glyphs_of_one_expression_in_several_fonts(monkeypatch):
     assert sum(c > 1 for c in mixed(0.1, 60)) > 10  # some expressions mix at a low chance
 
 
+@pytest.mark.slow  # make test-all (make test stays under 5 minutes)
 def test_font_mix_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
     """data.font_mix draws other images under its own cache entry; its default keeps the cache key as it was."""
     plain, other = _own_cache_entry(tmp_path, "font_mix")
@@ -455,6 +460,7 @@ def test_spacing_sets_symbols_apart_as_writers_do():
     assert reach1[0] - reach0[0] > 0.8 * left and reach1[1] - reach0[1] > 0.8 * right
 
 
+@pytest.mark.slow  # make test-all (make test stays under 5 minutes)
 def test_spacing_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
     """data.spacing draws wider images of the same labels under its own cache entry; its default keeps the key."""
     plain, other = _own_cache_entry(tmp_path, "spacing")
@@ -572,53 +578,70 @@ def test_size_jitter_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
     assert sum(r > 1.1 for r in ratios) and sum(r < 0.9 for r in ratios)  # some drawn larger, some smaller
 
 
+BAD_STYLE = [
+    (["data.style=cursive"], ["data.style", "handwritten"]),
+    (["data.symbols=all"], ["data.symbols", "crohme"]),
+    (
+        ["data.style=handwritten", "data.height=8"],
+        ["error: data.style=handwritten needs", "data.height >= 16"],
+    ),
+    (["data.style=handwritten", "data.distort=-1"], ["data.distort=-1.0", "must be >= 0"]),
+    (["data.style=handwritten", "data.jitter=nan"], ["data.jitter=nan", "must be >= 0"]),
+    (["data.jitter=2"], ["data.jitter=2.0 shapes handwritten glyphs", "data.style=handwritten"]),
+    (["data.distort=1"], ["data.distort=1.0 shapes handwritten glyphs", "data.style=handwritten"]),
+    (
+        ["data.allographs=0.5"],
+        ["data.allographs=0.5 shapes handwritten glyphs", "data.style=handwritten"],
+    ),
+    (["data.style=handwritten", "data.allographs=2"], ["data.allographs=2.0 is a chance", "between 0"]),
+    (["data.style=handwritten", "data.allographs=-1"], ["data.allographs=-1.0 must be >= 0"]),
+    (
+        ["data.style=handwritten", "data.script_place=1.5"],
+        ["data.script_place=1.5 is a chance", "between 0"],
+    ),
+    (
+        ["data.script_place=1"],
+        ["data.script_place=1.0 shapes handwritten glyphs", "data.style=handwritten"],
+    ),
+    (["data.style=handwritten", "data.font_mix=2"], ["data.font_mix=2.0 is a chance", "between 0"]),
+    (["data.font_mix=0.5"], ["data.font_mix=0.5 shapes handwritten glyphs", "data.style=handwritten"]),
+    (["data.style=handwritten", "data.more_forms=1.5"], ["data.more_forms=1.5 is a chance", "between 0"]),
+    (["data.style=handwritten", "data.spacing=-1"], ["data.spacing=-1.0 must be >= 0"]),
+    (["data.spacing=1"], ["data.spacing=1.0 shapes handwritten glyphs", "data.style=handwritten"]),
+    (
+        ["data.size_jitter=0.2"],
+        ["data.size_jitter=0.2 shapes handwritten glyphs", "data.style=handwritten"],
+    ),
+    (["data.style=handwritten", "data.size_jitter=-0.1"], ["data.size_jitter=-0.1 must be >= 0"]),
+    (["data.frequencies=crohme"], ["data.frequencies=crohme weighs", "set data.symbols=crohme"]),
+    (["data.symbols=crohme", "data.frequencies=often"], ["data.frequencies", "grammar", "crohme"]),
+    (["data.style=handwritten", "data.size_jitter=3"], ["data.size_jitter=3.0 is a spread", "between 0"]),
+    (
+        ["data.style=handwritten", "data.scale=height", "data.size_jitter=0.2"],
+        ["data.size_jitter=0.2 spreads the size", "data.scale=symbol"],
+    ),
+]
+
+
+# refused by Hydra's schema (an unknown Enum value) before train() runs: through train.py only
+BY_THE_SCHEMA = {0, 1, 20}
+# through train.py in make test: the schema's refusals and one of train()'s; the rest under make test-all
+BY_TRAIN_PY = BY_THE_SCHEMA | {2}
+
+
+@pytest.mark.parametrize("args, says", [c for k, c in enumerate(BAD_STYLE) if k not in BY_THE_SCHEMA])
+def test_bad_style_values_are_refused(tmp_path, cache_dir, args, says):
+    """Each of train()'s refusals, in this process (test_bad_style_values_are_refused_by_train_py: the command)."""
+    message = refusal_in_process(args, tmp_path / "run", cache_dir)
+    for words in says:
+        assert words.removeprefix("error: ") in message
+
+
 @pytest.mark.parametrize(
     "args, says",
-    [
-        (["data.style=cursive"], ["data.style", "handwritten"]),
-        (["data.symbols=all"], ["data.symbols", "crohme"]),
-        (
-            ["data.style=handwritten", "data.height=8"],
-            ["error: data.style=handwritten needs", "data.height >= 16"],
-        ),
-        (["data.style=handwritten", "data.distort=-1"], ["data.distort=-1.0", "must be >= 0"]),
-        (["data.style=handwritten", "data.jitter=nan"], ["data.jitter=nan", "must be >= 0"]),
-        (["data.jitter=2"], ["data.jitter=2.0 shapes handwritten glyphs", "data.style=handwritten"]),
-        (["data.distort=1"], ["data.distort=1.0 shapes handwritten glyphs", "data.style=handwritten"]),
-        (
-            ["data.allographs=0.5"],
-            ["data.allographs=0.5 shapes handwritten glyphs", "data.style=handwritten"],
-        ),
-        (["data.style=handwritten", "data.allographs=2"], ["data.allographs=2.0 is a chance", "between 0"]),
-        (["data.style=handwritten", "data.allographs=-1"], ["data.allographs=-1.0 must be >= 0"]),
-        (
-            ["data.style=handwritten", "data.script_place=1.5"],
-            ["data.script_place=1.5 is a chance", "between 0"],
-        ),
-        (
-            ["data.script_place=1"],
-            ["data.script_place=1.0 shapes handwritten glyphs", "data.style=handwritten"],
-        ),
-        (["data.style=handwritten", "data.font_mix=2"], ["data.font_mix=2.0 is a chance", "between 0"]),
-        (["data.font_mix=0.5"], ["data.font_mix=0.5 shapes handwritten glyphs", "data.style=handwritten"]),
-        (["data.style=handwritten", "data.more_forms=1.5"], ["data.more_forms=1.5 is a chance", "between 0"]),
-        (["data.style=handwritten", "data.spacing=-1"], ["data.spacing=-1.0 must be >= 0"]),
-        (["data.spacing=1"], ["data.spacing=1.0 shapes handwritten glyphs", "data.style=handwritten"]),
-        (
-            ["data.size_jitter=0.2"],
-            ["data.size_jitter=0.2 shapes handwritten glyphs", "data.style=handwritten"],
-        ),
-        (["data.style=handwritten", "data.size_jitter=-0.1"], ["data.size_jitter=-0.1 must be >= 0"]),
-        (["data.frequencies=crohme"], ["data.frequencies=crohme weighs", "set data.symbols=crohme"]),
-        (["data.symbols=crohme", "data.frequencies=often"], ["data.frequencies", "grammar", "crohme"]),
-        (["data.style=handwritten", "data.size_jitter=3"], ["data.size_jitter=3.0 is a spread", "between 0"]),
-        (
-            ["data.style=handwritten", "data.scale=height", "data.size_jitter=0.2"],
-            ["data.size_jitter=0.2 spreads the size", "data.scale=symbol"],
-        ),
-    ],
+    [c if k in BY_TRAIN_PY else pytest.param(*c, marks=pytest.mark.slow) for k, c in enumerate(BAD_STYLE)],
 )
-def test_bad_style_values_are_refused(tmp_path, cache_dir, args, says):
+def test_bad_style_values_are_refused_by_train_py(tmp_path, cache_dir, args, says):
     proc = run_train(args, tmp_path / "run", cache_dir, check=False)
     assert proc.returncode != 0
     for words in says:

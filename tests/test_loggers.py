@@ -177,7 +177,7 @@ def test_logger_config_needs_only_its_packages():
     check_logger_config(OmegaConf.structured(LoggerConfig(csv=CsvLoggerConfig())))  # csv needs nothing
 
 
-@pytest.mark.parametrize("package", ["mlflow", "wandb"])
+@pytest.mark.parametrize("package", [pytest.param("mlflow", marks=pytest.mark.slow), "wandb"])
 def test_missing_package_is_one_sentence_and_exit_2(tmp_path, cache_dir, package):
     """As on a machine without the extra: a package that fails to import shadows the installed one."""
     fake = tmp_path / "site" / package

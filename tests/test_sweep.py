@@ -170,6 +170,7 @@ def test_optuna_grid_runs_every_clip_mode(tmp_path, cache_dir, capsys):
     ]  # no quotes left from clip='inf'
 
 
+@pytest.mark.slow  # make test-all; make test keeps the Optuna search itself
 def test_optuna_prunes_and_records_stopped_trials(tmp_path, cache_dir, capsys):
     # Every (max_steps, fault) pair once. The threshold pruner gives up on a valid ExpRate below 50% (every tiny run's):
     # the 6-step trial is pruned at its first evaluation, step 2; the 2-step trial's only evaluation is its last, so

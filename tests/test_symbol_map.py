@@ -212,6 +212,7 @@ def test_a_skipped_step_skips_the_symbol_map(monkeypatch):
     assert not torch.equal(before["symbol_head.weight"], model.symbol_head.weight)
 
 
+@pytest.mark.slow  # make test-all (make test stays under 5 minutes)
 def test_the_finer_grid_readout_and_smoothing_run_end_to_end_through_train_py(tmp_path, cache_dir):
     import json
 

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from conftest import run_train
 
@@ -108,6 +109,7 @@ def test_cosine_follows_whichever_budget_runs_out_first():
     assert abs(lr_factor(cfg, 505, 1000, time_done=0.1) - 0.5) < 1e-9  # steps ahead of time
 
 
+@pytest.mark.slow  # make test-all (make test stays under 5 minutes)
 def test_resume_refuses_another_optimizer(tmp_path, cache_dir):
     first = tmp_path / "first"
     run_train(["optim=adam"], first, cache_dir)

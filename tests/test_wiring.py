@@ -92,21 +92,21 @@ def test_init_from_starts_the_run_from_those_weights(tmp_path, cache_dir):
 
 
 def test_pretrain_in_budget_ends_the_run_at_the_reduced_budget(tmp_path, cache_dir):
-    """trainer.max_minutes=0.25 with a pretraining inside it: the clock that ends the run is what the pretraining
+    """trainer.max_minutes=0.15 with a pretraining inside it: the clock that ends the run is what the pretraining
     left, as the log's stop line and the checkpoint say."""
     run = tmp_path / "run"
     args = [
         "pretrain.steps=2",
         "pretrain.eval_every=2",
         "pretrain.in_budget=true",
-        "trainer.max_minutes=0.25",
+        "trainer.max_minutes=0.15",
         "trainer.max_steps=1000000",
         "trainer.eval_every=100000",
         "trainer.checkpoint_every=100000",
     ]
     run_train(args, run, cache_dir)
     spent = json.loads((run / "pretrain" / "metrics.json").read_text())["wall_time_s"] / 60
-    left = round(0.25 - spent, 3)
-    assert 0 < left < 0.25
+    left = round(0.15 - spent, 3)
+    assert 0 < left < 0.15
     assert f"trainer.max_minutes={left:g} spent: training ends at step" in (run / "train.log").read_text()
     assert load_checkpoint(run / "checkpoints" / "last.pt")["config"]["trainer"]["max_minutes"] == left
