@@ -11,9 +11,8 @@ import pytest
 from conftest import ROOT, TINY, require_extra, run_train
 from omegaconf import OmegaConf
 
-from wapstable.config import CsvLoggerConfig, LoggerConfig
 from wapstable.errors import UserError
-from wapstable.train.loggers import SCALARS, CsvLogger, Loggers, check_logger_config
+from wapstable.train.loggers import SCALARS, CsvLogger, LoggerRun, Loggers, check_logger_config
 
 # 14 steps with an lr spike that exhausts the skip budget at step 7 and rolls back: skipped steps, a rollback, two
 # evaluations and the test evaluation, with gradient statistics on every step, so every scalar is logged.
@@ -126,15 +125,19 @@ def test_every_logger_gets_the_same_scalars(tmp_path, cache_dir, monkeypatch):
     assert mlflow_run.info.status == "FINISHED" and mlflow_run.data.params["model.hidden_dim"] == "16"
 
 
+def at(run_dir, tags=SCALARS) -> LoggerRun:
+    return LoggerRun(run_dir, "a/run", {"seed": "0"}, list(tags))
+
+
 def test_a_step_is_one_row_and_a_resumed_run_appends(tmp_path):
     path = tmp_path / "metrics.csv"
-    loggers = Loggers([CsvLogger(path)])
+    loggers = Loggers([CsvLogger(at(tmp_path))])
     loggers.scalar("train/loss", 2.5, 1)
     loggers.scalar("stats/param_norm", 3.0, 1)
     loggers.scalar("train/loss", float("nan"), 2)  # a skipped step's loss: left out, the row still written
     loggers.scalar("train/skipped", 1.0, 2)
     loggers.close()
-    loggers = Loggers([CsvLogger(path)])
+    loggers = Loggers([CsvLogger(at(tmp_path))])
     loggers.scalar("train/loss", 1.5, 3)
     loggers.close()
     assert read_csv(path) == {
@@ -146,7 +149,7 @@ def test_a_step_is_one_row_and_a_resumed_run_appends(tmp_path):
 
     path.write_text("step,loss\n1,2.0\n")  # another version's columns: refused, not appended to
     with pytest.raises(UserError, match="logger.csv.file"):
-        CsvLogger(path)
+        CsvLogger(at(tmp_path))
 
 
 def test_csv_alone_writes_no_tensorboard(tmp_path, cache_dir):
@@ -161,10 +164,10 @@ def test_mlflow_resumes_the_run_in_its_run_directory(tmp_path, monkeypatch):
     require_extra("mlflow", "loggers")
     from wapstable.train.loggers import MlflowLogger
 
-    first = MlflowLogger(tmp_path, None, "wapstable", "a/run", {"seed": "0"})
+    first = MlflowLogger(at(tmp_path))
     first.log({"train/loss": 2.0}, 1)
     first.close(finished=False)
-    second = MlflowLogger(tmp_path, None, "wapstable", "a/run", {"seed": "0"})
+    second = MlflowLogger(at(tmp_path))
     second.log({"train/loss": 1.0}, 2)
     second.close()
     assert second.run_id == first.run_id
@@ -174,7 +177,147 @@ def test_mlflow_resumes_the_run_in_its_run_directory(tmp_path, monkeypatch):
 
 
 def test_logger_config_needs_only_its_packages():
-    check_logger_config(OmegaConf.structured(LoggerConfig(csv=CsvLoggerConfig())))  # csv needs nothing
+    check_logger_config(OmegaConf.create({"csv": {"_target_": "wapstable.train.loggers.CsvLogger"}}))
+
+
+def conf_loggers() -> list[str]:
+    """The logger options as conf/ has them: one yaml each, its one key the logger's name."""
+    names = sorted(p.stem for p in (ROOT / "wapstable" / "conf" / "logger").glob("*.yaml"))
+    for name in names:
+        assert list(OmegaConf.load(ROOT / "wapstable" / "conf" / "logger" / f"{name}.yaml")) == [name]
+    return names
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["logger.csv.file=7"], None),  # a number is a fine file name: accepted as the string "7"
+        (["logger.wandb.mode=sometimes"], "logger.wandb: Invalid value 'sometimes'"),
+        (["logger.csv._target_=wapstable.train.loggers.NoSuchLogger"], "logger.csv._target_="),
+        (["logger.csv._target_=null"], "logger.csv names no class: give it a _target_"),
+    ],
+)
+def test_each_logger_checks_its_own_options(tmp_path, args, says):
+    """Each logger's options against its class's Options dataclass, and its _target_, before the run starts."""
+    from conftest import compose_config
+
+    require_extra("wandb", "loggers")
+    cfg = compose_config(["logger=[csv,wandb]", *args])
+    if says is None:
+        check_logger_config(cfg.logger)
+        return
+    with pytest.raises(UserError) as refused:
+        check_logger_config(cfg.logger)
+    assert says in str(refused.value) and len(str(refused.value).splitlines()) == 1
+
+
+MY_LOGGER = """
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class LineLogger:
+    \"\"\"A user's own logger: one line per step, `step tag=value ...`.\"\"\"
+
+    @dataclass
+    class Options:
+        file: str = "lines.txt"
+        every: int = 1
+
+    requires = ()
+
+    def __init__(self, run, file="lines.txt", every=1):
+        self.every = every
+        self.out = open(Path(run.run_dir) / file, "a")
+
+    def log(self, scalars, step):
+        if step % self.every == 0:
+            self.out.write(f"{step} " + " ".join(f"{k}={v:g}" for k, v in sorted(scalars.items())) + "\\n")
+
+    def flush(self):
+        self.out.flush()
+
+    def close(self, finished=True):
+        self.out.close()
+"""
+
+
+def line_steps(path) -> list[int]:
+    return [int(line.split()[0]) for line in path.read_text().splitlines()]
+
+
+def test_a_logger_of_ones_own_is_one_class_and_one_yaml(tmp_path, cache_dir):
+    """A class outside the package named by its _target_, and a yaml in a config folder of the user's on
+    hydra.searchpath: nothing of the package edited. Its options are checked as the package's loggers' are."""
+    code = tmp_path / "mine"
+    code.mkdir()
+    (code / "line_logger.py").write_text(MY_LOGGER)
+    conf = tmp_path / "myconf" / "logger"
+    conf.mkdir(parents=True)
+    (conf / "lines.yaml").write_text(
+        "lines:\n  _target_: line_logger.LineLogger\n  file: lines.txt\n  every: 1\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(code), "WAPSTABLE_CACHE": str(cache_dir)}
+    base = [sys.executable, str(ROOT / "train.py"), *TINY, f"hydra.searchpath=[file://{conf.parent}]"]
+    run = tmp_path / "run"
+    cmd = [*base, "logger=[csv,lines]", "logger.lines.every=2", f"hydra.run.dir={run}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert line_steps(run / "lines.txt") == [2]  # its own option, from the command line
+    assert "train/loss=" in (run / "lines.txt").read_text()
+    assert read_csv(run / "metrics.csv")["train/loss"].keys() == {1, 2, 3}  # beside the package's own
+
+    bad = tmp_path / "bad"
+    cmd = [*base, "logger=[lines]", "logger.lines.every=often", f"hydra.run.dir={bad}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    [line] = [x for x in (proc.stdout + proc.stderr).splitlines() if "ERROR" in x]
+    assert "logger.lines:" in line and "often" in line
+    assert not (bad / "lines.txt").exists() and not (bad / "checkpoints").exists()
+
+
+def test_a_checkpoint_from_before_the_targets_resumes_with_its_loggers(tmp_path, cache_dir):
+    """A checkpoint whose logger config has no _target_ (and None for the loggers it did not choose), as every
+    checkpoint before the loggers were built from _target_ has: resumed, it logs to the same loggers."""
+    from wapstable.checkpoint import load_checkpoint, save_checkpoint
+
+    run = tmp_path / "run"
+    run_train(["logger=csv", "trainer.max_steps=2", "trainer.checkpoint_every=2"], run, cache_dir)
+    last = run / "checkpoints" / "last.pt"
+    state = load_checkpoint(last)
+    assert state["config"]["logger"] == {
+        "csv": {"_target_": "wapstable.train.loggers.CsvLogger", "file": "metrics.csv"}
+    }
+    state["config"]["logger"] = {
+        "tensorboard": None,
+        "csv": {"file": "metrics.csv"},
+        "mlflow": None,
+        "wandb": None,
+    }
+    save_checkpoint(state, last)
+    run_train(["resume=auto", "trainer.max_steps=4"], run, cache_dir)
+    assert sorted(read_csv(run / "metrics.csv")["train/loss"]) == [1, 2, 3, 4]
+    assert not (run / "tb").exists()
+
+
+def test_the_logger_options_are_the_conf_folder_s():
+    """Every yaml of conf/logger/ names its logger's class, whose Options hold the yaml's keys and defaults."""
+    from hydra.utils import get_class
+
+    names = conf_loggers()
+    assert {"tensorboard", "csv", "mlflow", "wandb"} <= set(names)
+    for name in names:
+        opts = OmegaConf.to_container(
+            OmegaConf.load(ROOT / "wapstable" / "conf" / "logger" / f"{name}.yaml")[name]
+        )
+        cls = get_class(opts.pop("_target_"))
+        defaults = {
+            k: str(v) if v is not None and not isinstance(v, str) else v
+            for k, v in vars(cls.Options()).items()
+        }
+        assert {
+            k: str(v) if v is not None and not isinstance(v, str) else v for k, v in opts.items()
+        } == defaults
 
 
 @pytest.mark.parametrize("package", [pytest.param("mlflow", marks=pytest.mark.slow), "wandb"])

@@ -3,7 +3,7 @@
 every allowed value composes. No module checks these values a second time."""
 
 import pytest
-from conftest import compose_config, run_train
+from conftest import compose_config, refusal_in_process, require_extra, run_train
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
@@ -44,9 +44,11 @@ def test_every_allowed_value_composes_and_reads_as_a_string(key):
         assert type(OmegaConf.select(OmegaConf.create(saved), key)) is str  # checkpoints hold plain strings
 
 
-def test_wandb_mode_is_checked_by_the_schema():
-    with pytest.raises(ConfigCompositionException, match="logger.wandb.mode"):
-        compose_config(["logger=wandb", "logger.wandb.mode=onlin"])
+def test_wandb_mode_is_checked_by_its_logger_s_schema(tmp_path, cache_dir):
+    """logger.wandb.mode against WandbLogger.Options (each logger's keys are its own), before the run starts."""
+    require_extra("wandb", "loggers")
+    said = refusal_in_process(["logger=wandb", "logger.wandb.mode=onlin"], tmp_path / "run", cache_dir)
+    assert said.startswith("logger.wandb: Invalid value 'onlin'") and "offline" in said
 
 
 def test_a_checkpoint_config_with_a_wrong_value_is_refused():

@@ -119,3 +119,13 @@ def test_resume_refuses_another_optimizer(tmp_path, cache_dir):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "holds the state of optimizer adam, not optim.name=adadelta" in proc.stderr + proc.stdout
     assert last.read_bytes() == before and not (tmp_path / "second" / "checkpoints").exists()
+
+
+def test_the_step_schedule_through_train_py(tmp_path, cache_dir):
+    """optim.schedule=step: the lr falls by optim.gamma every optim.step_size steps, as metrics.csv logs it."""
+    from test_loggers import read_csv
+
+    run = tmp_path / "run"
+    args = ["optim.schedule=step", "optim.step_size=2", "optim.gamma=0.5", "trainer.max_steps=5", "logger=csv"]
+    run_train(args, run, cache_dir)
+    assert read_csv(run / "metrics.csv")["train/lr"] == {1: 1.0, 2: 1.0, 3: 0.5, 4: 0.5, 5: 0.25}

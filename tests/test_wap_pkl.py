@@ -5,10 +5,12 @@ import pickle
 import numpy as np
 import pytest
 
-from wapstable.data.latex import DataError, check_vocab
+from wapstable.data.batches import check_labels
+from wapstable.data.latex import DataError
 from wapstable.data.sample import Sample
 from wapstable.data.vocab import Vocab
 from wapstable.data.wap_pkl import load_wap_split, write_wap_split
+from wapstable.errors import UserError
 
 
 def image(h, w, seed):
@@ -158,19 +160,20 @@ def test_write_rejects_unwritable_samples(tmp_path):
         write_wap_split([Sample("a", image(4, 4, 1), ["x"])] * 2, pkl, txt)
 
 
-def test_with_a_wap_dictionary(tmp_path):
+def test_with_a_wap_dictionary(tmp_path, caplog):
     pkl, txt = paths(tmp_path)
     write_wap_split(SAMPLES, pkl, txt)
     (tmp_path / "dictionary.txt").write_text("x\t1\n^\t2\n{\t3\n}\t4\n2\t5\n<eol>\t0\n")
     vocab = Vocab.load(tmp_path / "dictionary.txt")
     samples, _ = load_wap_split(pkl, txt, "fail")
-    kept, errors = check_vocab(samples, vocab, "skip")
+    kept = check_labels(samples, vocab, "skip")  # the trainer's check of every split against its vocabulary
     assert [s.id for s in kept] == ["18_em_0"]
+    errors = [r.getMessage() for r in caplog.records]
     assert any("MfrDB2656" in m and "\\frac" in m for m in errors)
-    assert any("200923-131-29" in m and "8" in m for m in errors)
+    assert any("200923-131-29" in m and "'8'" in m for m in errors)
+    with pytest.raises(UserError, match="the label of sample .* data.on_error=skip"):
+        check_labels(samples, vocab, "fail")
 
 
 def test_data_error_is_a_user_error():
-    from wapstable.errors import UserError
-
     assert issubclass(DataError, UserError) and issubclass(DataError, ValueError)

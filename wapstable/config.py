@@ -34,7 +34,6 @@ Schedule = StrEnum("Schedule", "constant cosine step")
 ClipMode = StrEnum("ClipMode", "none norm value inf agc autoclip")
 OnBudgetExhausted = StrEnum("OnBudgetExhausted", "stop rollback")
 FaultName = StrEnum("FaultName", "none nan_input inf_loss lr_spike attention_overflow preempt")
-WandbMode = StrEnum("WandbMode", "offline online disabled")
 GuideKind = StrEnum("GuideKind", "inside kl")
 
 
@@ -329,41 +328,6 @@ class TrainerConfig:
 
 
 @dataclass
-class TensorBoardLoggerConfig:
-    dir: str = "tb"  # relative to the run directory
-
-
-@dataclass
-class CsvLoggerConfig:
-    file: str = "metrics.csv"  # relative to the run directory
-
-
-@dataclass
-class MlflowLoggerConfig:
-    tracking_uri: str | None = None  # None = a file store in the run directory's mlruns/
-    experiment: str = "wapstable"
-    run_name: str | None = None  # None = the run directory's name
-
-
-@dataclass
-class WandbLoggerConfig:
-    project: str = "wapstable"
-    mode: WandbMode = WandbMode.offline
-    entity: str | None = None
-    name: str | None = None  # None = the run directory's name
-
-
-@dataclass
-class LoggerConfig:
-    """The loggers a run writes to: those present (not None). `logger=[tensorboard,csv]` fills two."""
-
-    tensorboard: TensorBoardLoggerConfig | None = None
-    csv: CsvLoggerConfig | None = None
-    mlflow: MlflowLoggerConfig | None = None
-    wandb: WandbLoggerConfig | None = None
-
-
-@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -375,7 +339,10 @@ class Config:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    # The loggers a run writes to, by name: each an object with its `_target_` (a class of
+    # wapstable/train/loggers.py, or of the user's own) and that class's options (conf/logger/NAME.yaml). Each class
+    # checks its own options (its `Options` dataclass): train/loggers.py's check_logger_config.
+    logger: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     resume: str | None = None  # PATH to a checkpoint, or "auto" for the run directory's last.pt
     # PATH to a checkpoint whose weights start this run (only the weights: a fresh optimizer, step 0); token rows
@@ -415,12 +382,35 @@ def register_configs() -> None:
 LEGACY_OPTIMIZERS = {"adadelta": "torch.optim.Adadelta", "adam": "torch.optim.Adam", "sgd": "torch.optim.SGD"}
 
 
+# logger.NAME -> logger.NAME._target_ for the checkpoints written before the loggers were `_target_`s.
+LEGACY_LOGGERS = {
+    name: f"wapstable.train.loggers.{cls}"
+    for name, cls in (
+        ("tensorboard", "TensorBoardLogger"),
+        ("csv", "CsvLogger"),
+        ("mlflow", "MlflowLogger"),
+        ("wandb", "WandbLogger"),
+    )
+}
+
+
 def checkpoint_config(saved: dict, keys: list[str], source: DictConfig) -> DictConfig:
     """A checkpoint's config in this version's schema (its run_dir and resume dropped), with each of `keys` taken
     from `source` (the command line's composed config): whole groups first, then single keys on top. Used by a
     resumed run and by scripts/evaluate.py; raises OmegaConf's error when the saved config does not fit."""
     saved = {k: v for k, v in saved.items() if k not in ("run_dir", "resume")}
     saved.setdefault("logger", {"tensorboard": {}})  # checkpoints from before the logger group: TensorBoard
+    loggers = saved["logger"]
+    if isinstance(
+        loggers, dict
+    ):  # checkpoints from before logger.NAME._target_: the class that name built then
+        saved["logger"] = {
+            name: {"_target_": LEGACY_LOGGERS[name], **opts}
+            if isinstance(opts, dict) and "_target_" not in opts and name in LEGACY_LOGGERS
+            else opts
+            for name, opts in loggers.items()
+            if opts is not None  # the old schema kept every logger, None where not chosen
+        }
     optim = saved.get("optim")
     if isinstance(optim, dict) and "_target_" not in optim:  # checkpoints from before optim._target_
         saved["optim"] = {**optim, "_target_": LEGACY_OPTIMIZERS.get(optim.get("name"), OptimConfig._target_)}

@@ -11,7 +11,6 @@ Also home to DataError and the fail/skip policy shared by the data readers.
 import logging
 
 from wapstable.config import OnError
-from wapstable.data.sample import Sample
 from wapstable.data.vocab import EOL, Vocab
 from wapstable.errors import UserError
 
@@ -323,24 +322,3 @@ def crohme_vocab() -> Vocab:
 
 # ----------------------------------------------------------------------------------------------------------------
 # vocabulary
-
-
-def check_vocab(samples: list[Sample], vocab: Vocab, on_error: str) -> tuple[list[Sample], list[str]]:
-    """Samples whose tokens are all in `vocab`, and one message per dropped sample naming it and its tokens.
-
-    With on_error="fail" the first such sample raises DataError instead.
-    """
-    check_on_error(on_error)
-    kept, errors = [], []
-    for s in samples:
-        unknown = sorted({t for t in s.tokens if t not in vocab.index})
-        if unknown:
-            on_data_error(
-                f"sample {s.id!r} has tokens not in the vocabulary: {' '.join(unknown)} "
-                "(add them to the dictionary file)",
-                on_error,
-                errors,
-            )
-        else:
-            kept.append(s)
-    return kept, errors

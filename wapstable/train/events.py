@@ -52,8 +52,8 @@ class RunEvents:
             self.save("last")
         return time_up
 
-    def log_step(self, out: StepResult, progress) -> None:
-        lr = self.optimizer.param_groups[0]["lr"]
+    def log_step(self, out: StepResult, progress, lr: float) -> None:
+        """Log one step's scalars; `lr` is the learning rate the step used (read before its scheduler stepped)."""
         # the attention guide's unweighted loss of this step (part of out.loss), when the guide is on
         value = getattr(self.model, "guide_value", None)
         guide = float(value) if value is not None else None

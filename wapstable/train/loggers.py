@@ -4,6 +4,24 @@ The trainer and the gradient statistics report scalars by tag (`train/loss`) and
 scalars and hands every backend the same dict once per step, so each backend holds the same numbers under the same
 names, and a CSV row holds a whole step. Histograms, attention images and text go to TensorBoard only. MLflow and
 wandb are imported only when chosen, from the optional extra (`pip install 'wapstable[loggers]'`).
+
+Each logger is built from its config's `_target_` (conf/logger/NAME.yaml names the class and its options), so a
+logger of one's own is one class and one yaml, in the package or anywhere on the Python path:
+
+    class MyLogger:                       # the RunLogger protocol below
+        @dataclass
+        class Options:                    # its keys, typed: a wrong value is refused before the run starts
+            path: str = "mine.txt"
+        requires = ()                     # modules it needs beyond the base install (a missing one: one sentence)
+        def __init__(self, run: LoggerRun, path: str): ...
+        def log(self, scalars, step): ...
+        def flush(self): ...
+        def close(self, finished=True): ...
+
+    # conf/logger/mine.yaml (or a folder of the user's on hydra.searchpath)
+    mine:
+      _target_: mypackage.MyLogger
+      path: mine.txt
 """
 
 import csv
@@ -11,7 +29,14 @@ import importlib
 import math
 import os
 import time
+from dataclasses import asdict, dataclass, is_dataclass
+from enum import StrEnum
 from pathlib import Path
+from typing import Any, Protocol
+
+from hydra.utils import get_class
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from wapstable.errors import UserError
 
@@ -39,22 +64,52 @@ SCALARS = [
 GUIDE_SCALARS = ["train/guide", "train/guide_weight"]
 # Logged only by a run with the symbol map on (model.symbol_map > 0): its unweighted loss.
 SYMBOL_MAP_SCALARS = ["train/symbol_map"]
-# The modules a logger needs beyond the base install, and where to get them.
-EXTRA_MODULES = {"mlflow": "mlflow", "wandb": "wandb"}
+
+
+@dataclass(frozen=True)
+class LoggerRun:
+    """What every logger is given besides its own options: the run directory, the run's name (its directory's
+    last two parts: DATE/TIME, or TIME/JOB in a sweep), the run's resolved config as a dict (MLflow's params,
+    wandb's config), and the tags it will be sent (SCALARS and the heads' own)."""
+
+    run_dir: Path
+    name: str
+    config: dict
+    tags: list[str]
+
+
+class RunLogger(Protocol):
+    """A logger: built as `cls(run, **options)` from its config's `_target_`, handed one step's scalars at a time."""
+
+    def log(self, scalars: dict[str, float], step: int) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self, finished: bool = True) -> None: ...
 
 
 def chosen(cfg_logger) -> list[str]:
-    """The names of the loggers `cfg.logger` turns on, in the order of LoggerConfig's fields."""
+    """The names of the loggers `cfg.logger` turns on, in the config's order."""
     return [name for name, opts in cfg_logger.items() if opts is not None]
 
 
-def check_logger_config(cfg_logger) -> None:
-    """Fail before training on a logger whose package is missing or whose option is unknown."""
-    names = chosen(cfg_logger)
-    for name in names:
-        module = EXTRA_MODULES.get(name)
-        if module is None:
-            continue
+def logger_class(name: str, opts) -> type:
+    """The class `logger.NAME._target_` names, with its options checked against its `Options` dataclass and the
+    modules it `requires` importable; a UserError in one sentence otherwise."""
+    target = opts.get("_target_") if hasattr(opts, "get") else None
+    if not target:
+        raise UserError(
+            f"logger.{name} names no class: give it a _target_ (a logger class, as conf/logger/csv.yaml does), or "
+            f"drop it from logger="
+        )
+    try:
+        cls = get_class(str(target))
+    except Exception as e:  # noqa: BLE001  (Hydra wraps the ImportError or AttributeError in its own)
+        raise UserError(
+            f"logger.{name}._target_={target} is not an importable class ({str(e).splitlines()[0]}); name a logger "
+            "class on the Python path"
+        ) from None
+    for module in getattr(cls, "requires", ()):
         try:
             importlib.import_module(module)
         except ImportError:
@@ -62,15 +117,42 @@ def check_logger_config(cfg_logger) -> None:
                 f"logger={name} needs the {module} package, which is not installed; install it with "
                 f"pip install 'wapstable[loggers]', or choose another logger (logger=[tensorboard,csv])"
             ) from None
+    options(name, cls, opts)
+    return cls
+
+
+def options(name: str, cls: type, opts) -> dict[str, Any]:
+    """`opts` without `_target_`, checked against `cls.Options` (types, choices, unknown keys) when it has one."""
+    given = {k: v for k, v in OmegaConf.to_container(OmegaConf.create(dict(opts))).items() if k != "_target_"}
+    schema = getattr(cls, "Options", None)
+    if schema is None or not is_dataclass(schema):
+        return given
+    try:
+        typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), given))
+    except OmegaConfBaseException as e:
+        raise UserError(f"logger.{name}: {str(e).splitlines()[0]}; see conf/logger/{name}.yaml") from None
+    return {k: (str(v) if isinstance(v, StrEnum) else v) for k, v in asdict(typed).items()}
+
+
+def check_logger_config(cfg_logger) -> None:
+    """Fail before training on a logger whose class, package or option is wrong."""
+    for name in chosen(cfg_logger):
+        logger_class(name, cfg_logger[name])
 
 
 class TensorBoardLogger:
     """Event files for `tensorboard --logdir`; its `writer` also takes histograms, images and text."""
 
-    def __init__(self, log_dir: Path):
+    @dataclass
+    class Options:
+        dir: str = "tb"  # relative to the run directory
+
+    requires = ()
+
+    def __init__(self, run: LoggerRun, dir: str = "tb"):  # noqa: A002  (the config key's name)
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(log_dir))
+        self.writer = SummaryWriter(str(Path(run.run_dir) / dir))
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         for tag, value in scalars.items():
@@ -90,9 +172,15 @@ class CsvLogger:
     counts: `drop_duplicates("step", keep="last")` in pandas).
     """
 
-    def __init__(self, path: Path, columns: list[str] = SCALARS):
-        self.path = Path(path)
-        self.columns = ["step", *columns]
+    @dataclass
+    class Options:
+        file: str = "metrics.csv"  # relative to the run directory
+
+    requires = ()
+
+    def __init__(self, run: LoggerRun, file: str = "metrics.csv"):
+        self.path = Path(run.run_dir) / file
+        self.columns = ["step", *run.tags]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.is_file() and self.path.stat().st_size > 0:
             with open(self.path, newline="") as f:
@@ -128,11 +216,21 @@ class MlflowLogger:
     already there. MLflow 3 refuses file stores unless MLFLOW_ALLOW_FILE_STORE is set; it is set for this process.
     """
 
+    @dataclass
+    class Options:
+        tracking_uri: str | None = None  # None = a file store in the run directory's mlruns/
+        experiment: str = "wapstable"
+        run_name: str | None = None  # None = the run directory's name
+
+    requires = ("mlflow",)
+
     def __init__(
-        self, run_dir: Path, tracking_uri: str | None, experiment: str, run_name: str, params: dict[str, str]
+        self, run: LoggerRun, tracking_uri: str | None = None, experiment: str = "wapstable", run_name=None
     ):
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
+
+        run_dir, run_name, params = run.run_dir, run_name or run.name, flatten(run.config)
 
         own_store = tracking_uri is None
         if own_store:
@@ -165,27 +263,33 @@ class MlflowLogger:
         self.client.set_terminated(self.run_id, status="FINISHED" if finished else "FAILED")
 
 
+WandbMode = StrEnum("WandbMode", "offline online disabled")
+
+
 class WandbLogger:
     """A Weights & Biases run under `run_dir/wandb/` (offline by default: `wandb sync` uploads it later)."""
 
+    @dataclass
+    class Options:
+        project: str = "wapstable"
+        mode: WandbMode = WandbMode.offline
+        entity: str | None = None
+        name: str | None = None  # None = the run directory's name
+
+    requires = ("wandb",)
+
     def __init__(
-        self,
-        run_dir: Path,
-        project: str,
-        mode: str,
-        entity: str | None,
-        name: str,
-        config: dict,
+        self, run: LoggerRun, project="wapstable", mode="offline", entity: str | None = None, name=None
     ):
         import wandb
 
         self.run = wandb.init(
             project=project,
             entity=entity,
-            name=name,
+            name=name or run.name,
             mode=mode,
-            dir=str(run_dir),
-            config=config,
+            dir=str(run.run_dir),
+            config=run.config,
             # console="off": wandb leaves stdout and stderr alone (the progress bar and Hydra's log stay as they are)
             settings=wandb.Settings(console="off", silent=True),
         )
@@ -261,28 +365,15 @@ def flatten(config: dict, prefix: str = "") -> dict[str, str]:
 
 
 def build_loggers(cfg_logger, run_dir: Path, config: dict, extra: list[str] = ()) -> Loggers:
-    """The loggers `cfg.logger` names, writing under `run_dir`; `config` (the run's resolved config as a dict)
-    goes to MLflow's params and wandb's config; `extra` tags are logged beside SCALARS (GUIDE_SCALARS,
-    SYMBOL_MAP_SCALARS)."""
+    """The loggers `cfg.logger` names, each built from its `_target_` with its options, writing under `run_dir`;
+    `config` (the run's resolved config as a dict) goes to MLflow's params and wandb's config; `extra` tags are
+    logged beside SCALARS (GUIDE_SCALARS, SYMBOL_MAP_SCALARS)."""
     tags = [*SCALARS, *extra]
-    check_logger_config(cfg_logger)
     run_dir = Path(run_dir)
     # outputs/DATE/TIME -> DATE/TIME; in a sweep, TIME/JOB
-    default_name = f"{run_dir.parent.name}/{run_dir.name}"
+    run = LoggerRun(run_dir, f"{run_dir.parent.name}/{run_dir.name}", config, tags)
     backends = []
     for name in chosen(cfg_logger):
-        opts = cfg_logger[name]
-        if name == "tensorboard":
-            backends.append(TensorBoardLogger(run_dir / opts.dir))
-        elif name == "csv":
-            backends.append(CsvLogger(run_dir / opts.file, tags))
-        elif name == "mlflow":
-            run_name = opts.run_name or default_name
-            backends.append(
-                MlflowLogger(run_dir, opts.tracking_uri, opts.experiment, run_name, flatten(config))
-            )
-        elif name == "wandb":
-            backends.append(
-                WandbLogger(run_dir, opts.project, opts.mode, opts.entity, opts.name or default_name, config)
-            )
+        cls = logger_class(name, cfg_logger[name])
+        backends.append(cls(run, **options(name, cls, cfg_logger[name])))
     return Loggers(backends, tags)

@@ -178,7 +178,8 @@ class Trainer(TrainingStep, RunEvents, TrainingState):
                 time_up = self.time_up()
                 while self.step < t.max_steps and not time_up:
                     share()
-                    self.log_step(self.train_one(), progress)
+                    lr = self.optimizer.param_groups[0]["lr"]  # the step's own: its scheduler steps after it
+                    self.log_step(self.train_one(), progress, lr)
                     time_up = self.after_step(progress)
                     if self.pruned:  # a sweep's pruner gave up on this trial at its evaluation
                         return self.pruned_metrics()
