@@ -7,7 +7,6 @@ from wapstable.data.crohme import Raster, load_crohme_split, parse_trace, raster
 from wapstable.data.latex import (
     CROHME_2014_SYMBOLS,
     DataError,
-    check_vocab,
     crohme_vocab,
     normalize_crohme,
     tokenize_latex,
@@ -129,17 +128,21 @@ def test_normalize_rejects_broken_latex(bad, why):
         norm(bad)
 
 
-def test_check_vocab(caplog):
+def test_check_labels(caplog):
+    """The trainer's check of every split against its vocabulary: a label with an unknown token is skipped with
+    its reason, or stops the run naming the sample."""
+    from wapstable.data.batches import check_labels
+
     vocab = Vocab(["<eol>", "x", "^", "{", "}", "2"])
     good = Sample("good", np.ones((2, 2), np.uint8), ["x", "^", "{", "2", "}"])
     bad = Sample("bad7", np.ones((2, 2), np.uint8), ["x", "+", "\\alpha"])
-    kept, errors = check_vocab([good, bad], vocab, "skip")
+    with caplog.at_level(logging.WARNING):
+        kept = check_labels([good, bad], vocab, "skip")
     assert [s.id for s in kept] == ["good"]
-    assert len(errors) == 1 and "bad7" in errors[0] and "+" in errors[0] and "\\alpha" in errors[0]
-    with pytest.raises(DataError, match="bad7"):
-        check_vocab([good, bad], vocab, "fail")
-    with pytest.raises(ValueError, match="on_error"):
-        check_vocab([good], vocab, "ignore")
+    [said] = [r.getMessage() for r in caplog.records if "bad7" in r.getMessage()]
+    assert "'+'" in said and "not in the vocabulary" in said
+    with pytest.raises(UserError, match="bad7"):
+        check_labels([good, bad], vocab, "fail")
 
 
 # ---------------------------------------------------------------------------------------------------------------
