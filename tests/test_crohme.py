@@ -7,13 +7,10 @@ from wapstable.data.crohme import Raster, load_crohme_split, parse_trace, raster
 from wapstable.data.latex import (
     CROHME_2014_SYMBOLS,
     DataError,
-    check_vocab,
     crohme_vocab,
     normalize_crohme,
     tokenize_latex,
 )
-from wapstable.data.sample import Sample
-from wapstable.data.vocab import Vocab
 from wapstable.errors import UserError
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -127,19 +124,6 @@ def test_normalize_crohme(truth, expected):
 def test_normalize_rejects_broken_latex(bad, why):
     with pytest.raises(DataError, match=why):
         norm(bad)
-
-
-def test_check_vocab(caplog):
-    vocab = Vocab(["<eol>", "x", "^", "{", "}", "2"])
-    good = Sample("good", np.ones((2, 2), np.uint8), ["x", "^", "{", "2", "}"])
-    bad = Sample("bad7", np.ones((2, 2), np.uint8), ["x", "+", "\\alpha"])
-    kept, errors = check_vocab([good, bad], vocab, "skip")
-    assert [s.id for s in kept] == ["good"]
-    assert len(errors) == 1 and "bad7" in errors[0] and "+" in errors[0] and "\\alpha" in errors[0]
-    with pytest.raises(DataError, match="bad7"):
-        check_vocab([good, bad], vocab, "fail")
-    with pytest.raises(ValueError, match="on_error"):
-        check_vocab([good], vocab, "ignore")
 
 
 # ---------------------------------------------------------------------------------------------------------------
