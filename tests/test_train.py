@@ -126,6 +126,12 @@ def test_the_step_schedule_through_train_py(tmp_path, cache_dir):
     from test_loggers import read_csv
 
     run = tmp_path / "run"
-    args = ["optim.schedule=step", "optim.step_size=2", "optim.gamma=0.5", "trainer.max_steps=5", "logger=csv"]
+    args = [
+        "optim.schedule=step",
+        "optim.step_size=2",
+        "optim.gamma=0.5",
+        "trainer.max_steps=5",
+        "logger=csv",
+    ]
     run_train(args, run, cache_dir)
     assert read_csv(run / "metrics.csv")["train/lr"] == {1: 1.0, 2: 1.0, 3: 0.5, 4: 0.5, 5: 0.25}
