@@ -423,6 +423,8 @@ def unique_expressions(
     symbols: str = "base",
     frequencies: str = "grammar",
 ) -> list[list[str]]:
+    """`n` distinct expressions drawn by `rng` from the grammar of data.symbols and data.frequencies, none of them in
+    `exclude` (the labels of the splits drawn before, so that no expression is in two splits)."""
     grammar = GRAMMARS[symbols, frequencies](rng, difficulty)
     seen, out = set(exclude), []
     for _ in range(100 * n + 1000):
@@ -439,6 +441,7 @@ def unique_expressions(
 
 
 def seeded_rng(seed: int, *tags: int) -> np.random.Generator:
+    """The random stream of `seed` for one use of it, named by `tags` (a stream tag, then split and index)."""
     # The seed goes last: SeedSequence pads its entropy with zeros, so [tag, seed] and [tag, seed, 0] would be
     # the same stream. The modulo makes negative seeds legal and keeps them apart from positive ones.
     return np.random.default_rng([*tags, int(seed) % 2**64])
