@@ -266,8 +266,8 @@ def test_allographs_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
     names = ("\\sin", "\\cos", "\\tan", "\\log", "\\lim")  # drawn as their letters
 
     def has_other_forms(tokens):
-        glyphs = set(tokens) | {ch for t in tokens if t in names for ch in t[1:]}
-        return bool(glyphs & set(glyphs.ALLOGRAPHS))
+        drawn = set(tokens) | {ch for t in tokens if t in names for ch in t[1:]}
+        return bool(drawn & set(glyphs.ALLOGRAPHS))
 
     _changes_exactly_where(tmp_path, "allographs", has_other_forms)
 
@@ -324,8 +324,8 @@ def test_more_forms_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
     names = ("\\sin", "\\cos", "\\tan", "\\log", "\\lim")  # drawn as their letters
 
     def has_more_forms(tokens):
-        glyphs = set(tokens) | {ch for t in tokens if t in names for ch in t[1:]}
-        return bool(glyphs & set(glyphs.MORE_FORMS)) or "\\sqrt" in tokens
+        drawn = set(tokens) | {ch for t in tokens if t in names for ch in t[1:]}
+        return bool(drawn & set(glyphs.MORE_FORMS)) or "\\sqrt" in tokens
 
     _changes_exactly_where(tmp_path, "more_forms", has_more_forms)
 
