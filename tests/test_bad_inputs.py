@@ -23,7 +23,7 @@ from conftest import ROOT, TINY, refusal_in_process, run_train
 from wapstable import checkpoint
 from wapstable.checkpoint import FORMAT, VERSION, load_checkpoint, save_checkpoint
 from wapstable.data.sample import Sample
-from wapstable.data.wap_pkl import write_wap_split
+from wapstable.data.sources.wap_pkl import write_wap_split
 from wapstable.errors import UserError
 
 

@@ -19,8 +19,10 @@ from conftest import TINY, compose_config, run_train
 from omegaconf import DictConfig, OmegaConf
 
 from wapstable.config import DataConfig, PixelAugConfig
-from wapstable.data import cache, crohme, images, ink_bank, synthetic
+from wapstable.data import cache
 from wapstable.data.batches import load_splits
+from wapstable.data.ink import bank as ink_bank
+from wapstable.data.sources import crohme, images, synthetic
 from wapstable.errors import UserError
 
 TINY_RENDER = ["data.num_train=2", "data.num_valid=1", "data.num_test=1", "data.render_workers=0"]
@@ -452,6 +454,40 @@ def test_code_hash_follows_the_code_not_its_comments(tmp_path, monkeypatch):
     assert hash_of(reworded) == first
     assert hash_of(code.replace("x + 1", "x + 2")) != first
     cache.code_hash.cache_clear()
+
+
+def test_code_hash_of_a_package_follows_each_of_its_modules(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    package = tmp_path / "drawing_package_for_test_cache"
+    (package / "inner").mkdir(parents=True)
+    for path in (package / "__init__.py", package / "inner" / "__init__.py"):
+        path.write_text("")
+    (package / "inner" / "pen.py").write_text("def draw(x):\n    return x + 1\n")
+    cache.code_hash.cache_clear()
+    first = cache.code_hash("drawing_package_for_test_cache")
+    (package / "inner" / "pen.py").write_text("def draw(x):\n    return x + 2\n")
+    cache.code_hash.cache_clear()
+    assert cache.code_hash("drawing_package_for_test_cache") != first
+    cache.code_hash.cache_clear()
+
+
+def test_every_module_that_draws_is_in_its_cache_s_code():
+    """The code lists name the packages that draw, which stand for all of their modules: a module added to
+    wapstable/data/render or wapstable/data/ink is in the key of the data it draws without a list to update."""
+
+    def modules(package: str) -> set[str]:
+        folder = Path(cache.__file__).parent / package
+        return {f"wapstable.data.{package}.{p.stem}" for p in folder.glob("*.py") if p.stem != "__init__"}
+
+    def covered(code) -> set[str]:
+        return {name for name, _ in cache.code_files(*code)}
+
+    drawing = covered(synthetic.DRAWING_CODE)
+    assert modules("render") | {"wapstable.data.ink.raster", "wapstable.data.latex"} <= drawing
+    reading = covered(crohme.READING_CODE)
+    assert modules("ink") | {"wapstable.data.render.glyphs", "wapstable.data.sources.crohme"} <= reading
+    assert {"wapstable.data.ink.bank", "wapstable.data.ink.inkml"} <= covered(ink_bank.CUTTING_CODE)
+    assert "wapstable.data.sources.images" in covered(images.READING_CODE)
 
 
 @pytest.mark.parametrize("context", sorted(FIRST_CACHE))

@@ -3,7 +3,9 @@ import logging
 import numpy as np
 import pytest
 
-from wapstable.data.crohme import Raster, load_crohme_split, parse_trace, rasterize_traces, read_inkml
+from wapstable.data.ink.inkml import parse_trace
+from wapstable.data.ink.raster import Raster, rasterize_traces
+from wapstable.data.ink.read import read_inkml
 from wapstable.data.latex import (
     CROHME_2014_SYMBOLS,
     DataError,
@@ -11,8 +13,7 @@ from wapstable.data.latex import (
     normalize_crohme,
     tokenize_latex,
 )
-from wapstable.data.sample import Sample
-from wapstable.data.vocab import Vocab
+from wapstable.data.sources.crohme import load_crohme_split
 from wapstable.errors import UserError
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -132,6 +133,8 @@ def test_check_labels(caplog):
     """The trainer's check of every split against its vocabulary: a label with an unknown token is skipped with
     its reason, or stops the run naming the sample."""
     from wapstable.data.batches import check_labels
+    from wapstable.data.sample import Sample
+    from wapstable.data.vocab import Vocab
 
     vocab = Vocab(["<eol>", "x", "^", "{", "}", "2"])
     good = Sample("good", np.ones((2, 2), np.uint8), ["x", "^", "{", "2", "}"])
@@ -416,7 +419,7 @@ def test_published_layout_errors(tmp_path):
 
 
 def test_cache_is_used_and_keyed_by_files_and_settings(tmp_path, monkeypatch):
-    import wapstable.data.crohme as crohme
+    import wapstable.data.sources.crohme as crohme
 
     root = published_layout(tmp_path / "c")
     cache = tmp_path / "cache"
@@ -483,11 +486,12 @@ GROUPED = """<trace id="0">10 10, 20 20, 30 30</trace><trace id="1">30 10, 10 30
 def test_redraw_moves_each_symbol_as_one(tmp_path):
     import xml.etree.ElementTree as ET
 
-    from wapstable.data.crohme import Redraw, _symbol_groups, redraw_traces
+    from wapstable.data.ink.inkml import symbol_groups
+    from wapstable.data.ink.redraw import Redraw, redraw_traces
 
     path = write(tmp_path / "e.inkml", truth="$x^2$", traces=GROUPED)
     root = ET.parse(path).getroot()
-    assert _symbol_groups(root, ["0", "1", "2", "3"]) == [
+    assert symbol_groups(root, ["0", "1", "2", "3"]) == [
         [0, 1],
         [2],
         [3],
@@ -512,7 +516,7 @@ def test_redraw_moves_each_symbol_as_one(tmp_path):
 
 
 def test_redraw_adds_drawings_of_training_files_only(tmp_path, monkeypatch):
-    import wapstable.data.crohme as crohme
+    import wapstable.data.sources.crohme as crohme
     from wapstable.data.batches import load_splits
 
     root = published_layout(tmp_path / "c")
@@ -542,7 +546,8 @@ def test_redraw_adds_drawings_of_training_files_only(tmp_path, monkeypatch):
 
 
 def test_read_folder_in_worker_processes_reads_the_same(tmp_path):
-    from wapstable.data.crohme import Redraw, read_folder
+    from wapstable.data.ink.redraw import Redraw
+    from wapstable.data.sources.crohme import read_folder
 
     root = published_layout(tmp_path / "c")
     write(root / "TrainINKML" / "HAMEX" / "broken.inkml", text="<ink>")

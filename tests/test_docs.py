@@ -245,7 +245,7 @@ def write_folders(tmp: Path) -> None:
     from test_images import LABELS, comer_folder, hme_folder, picture
 
     from wapstable.data.sample import Sample
-    from wapstable.data.wap_pkl import write_wap_split
+    from wapstable.data.sources.wap_pkl import write_wap_split
 
     published_layout(tmp / "DIR")
     comer_folder(tmp / "IMGDIR")

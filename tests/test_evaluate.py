@@ -11,10 +11,10 @@ from conftest import ROOT, python_run, run_train
 from PIL import Image
 from test_crohme import write as write_inkml
 
+from wapstable.data.render.mathtext import render
 from wapstable.data.sample import Sample
-from wapstable.data.synthetic import render
+from wapstable.data.sources.wap_pkl import write_wap_split
 from wapstable.data.vocab import Vocab
-from wapstable.data.wap_pkl import write_wap_split
 from wapstable.eval import evaluation
 from wapstable.eval.attention_maps import upsample_attention
 from wapstable.eval.evaluation import prepare_image

@@ -23,8 +23,8 @@ from wapstable.checkpoint import save_checkpoint
 from wapstable.data.batches import load_splits
 from wapstable.data.latex import crohme_vocab
 from wapstable.data.sample import Sample
+from wapstable.data.sources.wap_pkl import write_wap_split
 from wapstable.data.vocab import Vocab
-from wapstable.data.wap_pkl import write_wap_split
 from wapstable.eval import evaluation
 from wapstable.eval.evaluation import combine_sets, evaluate_samples, score_test_sets
 from wapstable.model.wap import build_model

@@ -12,9 +12,11 @@ import torch
 from conftest import TINY, compose_config
 
 from wapstable.config import AttentionConfig, GuideConfig, ModelConfig
-from wapstable.data import synthetic
+from wapstable.data import latex
 from wapstable.data.batches import Batch, collate
+from wapstable.data.render import grammar, mathtext, token_boxes
 from wapstable.data.sample import Sample
+from wapstable.data.sources import synthetic
 from wapstable.data.vocab import Vocab
 from wapstable.errors import UserError
 from wapstable.model.loss import forward_loss, guide_loss, guide_targets, guide_weight, sequence_loss
@@ -27,7 +29,7 @@ SUM = ["\\sum", "_", "{", "i", "=", "1", "}", "^", "{", "n", "}", "\\alpha", "-"
 
 
 def boxes_of(tokens, font="cm", size=28, rng=None, augment=False):
-    return synthetic.render_boxes(tokens, font, size, rng, augment)
+    return mathtext.render_boxes(tokens, font, size, rng, augment)
 
 
 def centre(box):
@@ -51,15 +53,15 @@ def ink_covered(img, boxes, level=128):
 # where each token is
 
 
-@pytest.mark.parametrize("font", synthetic.FONTS)
+@pytest.mark.parametrize("font", mathtext.FONTS)
 def test_every_symbol_gets_the_box_of_its_own_ink(font):
     for tokens in (FRAC, SUM):
         img, boxes = boxes_of(tokens, font)
-        assert img.tobytes() == synthetic.render(tokens, font, 28, None, False).tobytes()  # same pixels
+        assert img.tobytes() == mathtext.render(tokens, font, 28, None, False).tobytes()  # same pixels
         assert boxes.shape == (len(tokens), 4) and boxes.dtype == np.float32
         for tok, box in zip(tokens, boxes):
-            assert np.isnan(box).all() == (tok in synthetic.INKLESS), (tok, box)
-            if tok not in synthetic.INKLESS:
+            assert np.isnan(box).all() == (tok in latex.INKLESS), (tok, box)
+            if tok not in latex.INKLESS:
                 x0, y0, x1, y1 = box.astype(int)
                 assert 0 <= x0 < x1 <= img.shape[1] and 0 <= y0 < y1 <= img.shape[0], (tok, box)
                 assert img[y0:y1, x0:x1].max() >= 128, tok  # each box holds ink
@@ -88,37 +90,35 @@ def test_every_symbol_gets_the_box_of_its_own_ink(font):
 
 def test_boxes_follow_the_augmentation_and_leave_the_pixels_alone():
     for seed, tokens in enumerate([SUM, SUM[11:]] * 3):
-        font = synthetic.FONTS[seed % len(synthetic.FONTS)]
+        font = mathtext.FONTS[seed % len(mathtext.FONTS)]
         img, boxes = boxes_of(tokens, font, rng=np.random.default_rng(seed), augment=True)
-        same = synthetic.render(tokens, font, 28, np.random.default_rng(seed), True)
+        same = mathtext.render(tokens, font, 28, np.random.default_rng(seed), True)
         assert img.tobytes() == same.tobytes() and img.shape == same.shape
         plain_img, plain = boxes_of(tokens, font)
         assert (np.isnan(boxes) == np.isnan(plain)).all()  # no box lost in the warp
         # Bent, the ink stays in its boxes; the straight boxes of the unbent image would miss much of it.
         assert ink_covered(img, boxes) > 0.97, seed
         for tok, box in zip(tokens, boxes):
-            if tok not in synthetic.INKLESS:
+            if tok not in latex.INKLESS:
                 x0, y0, x1, y1 = box.astype(int)
                 assert img[y0:y1, x0:x1].max() >= 64, (seed, tok)
 
 
 def test_every_label_of_the_grammar_gets_its_boxes():
-    before = synthetic.box_failures
-    exprs = synthetic.generate_expressions(40, seed=3, difficulty=3)
+    exprs = grammar.generate_expressions(40, seed=3, difficulty=3)
     for k, tokens in enumerate(exprs):
-        _, boxes = boxes_of(tokens, synthetic.FONTS[k % len(synthetic.FONTS)], size=16)
-        inked = np.array([t not in synthetic.INKLESS for t in tokens])
+        _, boxes = boxes_of(tokens, mathtext.FONTS[k % len(mathtext.FONTS)], size=16)
+        inked = np.array([t not in latex.INKLESS for t in tokens])
         assert (np.isfinite(boxes).all(1) == inked).all(), tokens
-    assert synthetic.box_failures == before
 
 
 def test_a_layout_that_does_not_match_its_tokens_gives_no_boxes():
     _, boxes = boxes_of(["x", "+", "y"])
     assert np.isfinite(boxes).all()
     items = [(0, "g", (0, 0, 5, 5), "x"), (1, "g", (6, 0, 9, 5), "+")]  # one glyph short
-    assert synthetic._token_boxes(["x", "+", "y"], items, np.ones((9, 9), np.uint8)) is None
+    assert token_boxes.token_boxes(["x", "+", "y"], items, np.ones((9, 9), np.uint8)) is None
     items.append((2, "g", (10, 0, 14, 5), "z"))  # a glyph that is not the token's
-    assert synthetic._token_boxes(["x", "+", "y"], items, np.ones((9, 20), np.uint8)) is None
+    assert token_boxes.token_boxes(["x", "+", "y"], items, np.ones((9, 20), np.uint8)) is None
 
 
 def test_boxes_are_cached_with_the_images(tmp_path, monkeypatch):
@@ -136,14 +136,14 @@ def test_boxes_are_cached_with_the_images(tmp_path, monkeypatch):
     monkeypatch.setattr(synthetic, "render", no_render)
     again = synthetic.build_splits(SimpleNamespace(**cfg))  # from the .npz
     assert (
-        synthetic._cache_params(SimpleNamespace(**cfg))["format"] == 2
+        synthetic.cache_params(SimpleNamespace(**cfg))["format"] == 2
     )  # a new key: old caches are not misread
     for split in synthetic.SPLITS:
         for a, b in zip(first[split], again[split]):
             assert a.boxes.shape == (len(a.tokens), 4)
             np.testing.assert_array_equal(a.boxes, b.boxes)
             assert a.image.tobytes() == b.image.tobytes()
-            assert np.isfinite(a.boxes).all(1).sum() == sum(t not in synthetic.INKLESS for t in a.tokens)
+            assert np.isfinite(a.boxes).all(1).sum() == sum(t not in latex.INKLESS for t in a.tokens)
 
 
 def test_collate_puts_each_tokens_box_beside_it():
@@ -405,7 +405,9 @@ INKML = """<ink xmlns="http://www.w3.org/2003/InkML">
 
 def test_crohme_boxes_follow_a_redrawing(tmp_path):
     """data.redraw moves every symbol on its own: each symbol's box moves with its strokes."""
-    from wapstable.data.crohme import Raster, Redraw, read_inkml
+    from wapstable.data.ink.raster import Raster
+    from wapstable.data.ink.read import read_inkml
+    from wapstable.data.ink.redraw import Redraw
 
     path = tmp_path / "expr.inkml"
     path.write_text(INKML)
@@ -422,7 +424,9 @@ def test_crohme_boxes_follow_a_redrawing(tmp_path):
 
 
 def test_crohme_boxes_come_from_the_trace_groups(tmp_path):
-    from wapstable.data.crohme import Raster, read_folder, read_inkml
+    from wapstable.data.ink.raster import Raster
+    from wapstable.data.ink.read import read_inkml
+    from wapstable.data.sources.crohme import read_folder
 
     path = tmp_path / "f" / "expr.inkml"
     path.parent.mkdir()

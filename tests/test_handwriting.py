@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 from conftest import compose_config, refusal_in_process, run_train
 
-from wapstable.data import handwriting as hw
-from wapstable.data import synthetic as S
-from wapstable.data.crohme import Raster, _inked, held_out
+from wapstable.data.ink.boxes import inked_tokens
+from wapstable.data.ink.raster import Raster
 from wapstable.data.latex import CROHME_2014_SYMBOLS, DataError
+from wapstable.data.render import glyphs, grammar, handwritten, mathtext, placement
+from wapstable.data.sample import held_out
+from wapstable.data.sources import synthetic
 from wapstable.errors import UserError
 
 RASTER = Raster(height=160, line_width=2, symbol_size=24.0)
@@ -19,7 +21,7 @@ RASTER = Raster(height=160, line_width=2, symbol_size=24.0)
 
 @pytest.fixture(scope="module")
 def crohme_labels():
-    return S.generate_expressions(2500, seed=0, difficulty=2, symbols="crohme")
+    return grammar.generate_expressions(2500, seed=0, difficulty=2, symbols="crohme")
 
 
 def test_crohme_grammar_emits_exactly_the_dictionary(crohme_labels):
@@ -36,26 +38,28 @@ def test_crohme_grammar_emits_exactly_the_dictionary(crohme_labels):
 def test_base_grammar_is_unchanged_by_the_option():
     """The default data keeps its 85 symbols: none of the dictionary's additions, and the same labels however
     often the CROHME grammar is used beside it."""
-    before = S.generate_expressions(500, seed=3, difficulty=2)
-    S.generate_expressions(500, seed=3, difficulty=2, symbols="crohme")
-    base = S.generate_expressions(500, seed=3, difficulty=2)
+    before = grammar.generate_expressions(500, seed=3, difficulty=2)
+    grammar.generate_expressions(500, seed=3, difficulty=2, symbols="crohme")
+    base = grammar.generate_expressions(500, seed=3, difficulty=2)
     assert base == before
     tokens = {t for tokens in base for t in tokens}
     assert not tokens & {"\\sin", "\\lim", "\\ldots", ",", "\\prime", "\\rightarrow", "\\exists", "|", "!"}
     # and the default config's cache key does not depend on the new keys
     cfg = compose_config([]).data
-    assert "symbols" not in S._cache_params(cfg) and "style" not in S._cache_params(cfg)
+    assert "symbols" not in synthetic.cache_params(cfg) and "style" not in synthetic.cache_params(cfg)
     cfg.symbols, cfg.style = "crohme", "handwritten"
-    params = S._cache_params(cfg)
+    params = synthetic.cache_params(cfg)
     assert params["symbols"] == "crohme" and params["style"] == "handwritten" and "hershey" in params
 
 
 def test_crohme_frequencies_weigh_symbols_as_the_training_labels_do():
     """data.frequencies=crohme: every dictionary symbol still drawn, but 1 and 2 far more often than 7 and 8, x
     than w, and scripts inside fractions (the "x ^ { 2 } }" of real labels); the grammar's own labels unchanged."""
-    before = S.generate_expressions(800, seed=5, difficulty=2, symbols="crohme")
-    weighted = S.generate_expressions(2500, seed=0, difficulty=2, symbols="crohme", frequencies="crohme")
-    assert S.generate_expressions(800, seed=5, difficulty=2, symbols="crohme") == before
+    before = grammar.generate_expressions(800, seed=5, difficulty=2, symbols="crohme")
+    weighted = grammar.generate_expressions(
+        2500, seed=0, difficulty=2, symbols="crohme", frequencies="crohme"
+    )
+    assert grammar.generate_expressions(800, seed=5, difficulty=2, symbols="crohme") == before
     counts = Counter(t for tokens in weighted for t in tokens)
     assert set(counts) == set(CROHME_2014_SYMBOLS), sorted(set(CROHME_2014_SYMBOLS) - set(counts))
     old = Counter(t for tokens in before for t in tokens)
@@ -73,12 +77,12 @@ def test_crohme_frequencies_weigh_symbols_as_the_training_labels_do():
     assert 8 <= np.median(lengths) <= 16 and 18 <= np.percentile(lengths, 90) <= 40
     # a key of the cache only when set, and only with the CROHME symbols
     cfg = compose_config(["data.symbols=crohme"]).data
-    assert "frequencies" not in S._cache_params(cfg)
+    assert "frequencies" not in synthetic.cache_params(cfg)
     cfg.frequencies = "crohme"
-    assert S._cache_params(cfg)["frequencies"] == "crohme"
+    assert synthetic.cache_params(cfg)["frequencies"] == "crohme"
     cfg.symbols = "base"
     with pytest.raises(UserError, match="set data.symbols=crohme"):
-        S._cache_params(cfg)
+        synthetic.cache_params(cfg)
 
 
 def first_with(labels, symbol):
@@ -93,13 +97,13 @@ def test_every_dictionary_symbol_is_drawn_where_its_box_says(crohme_labels, styl
         tokens = first_with(crohme_labels, symbol)
         rng = np.random.default_rng(0)
         if style == "printed":
-            img, boxes = S.render_boxes(tokens, "cm", 28, rng, augment=False)
+            img, boxes = mathtext.render_boxes(tokens, "cm", 28, rng, augment=False)
         else:
-            img, boxes = S.render_handwritten(tokens, "cm", 28, rng, RASTER)
+            img, boxes = handwritten.render_handwritten(tokens, "cm", 28, rng, RASTER)
         assert img.dtype == np.uint8 and img.max() == 255 and img[0].max() == 0, symbol
         assert boxes.shape == (len(tokens), 4)
         assert not np.isnan(boxes).all(), f"{symbol}: the layout of {' '.join(tokens)} was not matched"
-        for i in _inked(tokens):  # every token but braces, ^ _ \\limits and a root index's [ ]
+        for i in inked_tokens(tokens):  # every token but braces, ^ _ \\limits and a root index's [ ]
             tok = tokens[i]
             x0, y0, x1, y1 = boxes[i]
             assert not np.isnan(x0), f"{tok} in {' '.join(tokens)} has no box"
@@ -113,29 +117,34 @@ def test_every_glyph_the_layout_uses_has_strokes(crohme_labels):
     strokes from the Hershey fonts or from DRAWN."""
     seen = set()
     for tokens in crohme_labels[:150]:
-        for font in S.FONTS:
-            _, items = S._laid_out(tokens, font, 28, record=True)
+        for font in mathtext.FONTS:
+            _, items = mathtext.laid_out(tokens, font, 28, record=True)
             seen |= {c for _, kind, _, c in items if kind == "g"}
     missing = {
-        (c, f) for c in seen for f in hw.TEXT_FONTS if not S._is_radical(c) and hw.unit_strokes(c, f) is None
+        (c, f)
+        for c in seen
+        for f in glyphs.TEXT_FONTS
+        if not handwritten.is_radical(c) and glyphs.unit_strokes(c, f) is None
     }
     assert not missing
     # and the placeholder is what an unknown glyph gets, so the check above has something to catch
-    assert hw.unit_strokes("\\nosuchsymbol", "futural") is None
+    assert glyphs.unit_strokes("\\nosuchsymbol", "futural") is None
 
 
 def test_handwritten_image_conventions_and_determinism():
     tokens = "\\frac { \\sin ( x ) } { 2 } + \\sqrt { y }".split()
-    a, boxes_a = S.render_handwritten(tokens, "cm", 28, np.random.default_rng(5), RASTER)
-    b, boxes_b = S.render_handwritten(tokens, "cm", 28, np.random.default_rng(5), RASTER)
-    c, _ = S.render_handwritten(tokens, "cm", 28, np.random.default_rng(6), RASTER)
+    a, boxes_a = handwritten.render_handwritten(tokens, "cm", 28, np.random.default_rng(5), RASTER)
+    b, boxes_b = handwritten.render_handwritten(tokens, "cm", 28, np.random.default_rng(5), RASTER)
+    c, _ = handwritten.render_handwritten(tokens, "cm", 28, np.random.default_rng(6), RASTER)
     assert np.array_equal(a, b) and np.array_equal(boxes_a, boxes_b, equal_nan=True)
     assert a.shape != c.shape or not np.array_equal(a, c)  # another seed, another hand
     assert a.shape[0] <= RASTER.height
     # as data=crohme draws ink: strokes line_width px wide, ink 255 on 0, nothing in between but antialiasing-free
     assert set(np.unique(a)) <= {0, 255}
     # without jitter, the strokes stay inside the layout's boxes: the \frac bar spans the wider of its arguments
-    flat, boxes = S.render_handwritten(tokens, "cm", 28, np.random.default_rng(5), RASTER, jitter=0.0)
+    flat, boxes = handwritten.render_handwritten(
+        tokens, "cm", 28, np.random.default_rng(5), RASTER, jitter=0.0
+    )
     bar, sin = boxes[0], boxes[tokens.index("\\sin")]
     assert bar[2] - bar[0] >= sin[2] - sin[0] and bar[1] > sin[3] - 2
 
@@ -155,10 +164,10 @@ def test_distort_changes_a_glyph_s_shape_not_only_its_place(glyph):
 
     def draw(distort, seed=3):
         rng = np.random.default_rng(seed)
-        return hw.draw_glyph(glyph, box, size, "futural", rng, 1.0, None, distort)
+        return glyphs.draw_glyph(glyph, box, size, "futural", rng, 1.0, None, distort)
 
     plain = draw(0.0)
-    legacy = hw.draw_glyph(glyph, box, size, "futural", np.random.default_rng(3), 1.0)
+    legacy = glyphs.draw_glyph(glyph, box, size, "futural", np.random.default_rng(3), 1.0)
     assert all(np.array_equal(a, b) for a, b in zip(plain, legacy)) and len(plain) == len(legacy)
     one, again, two = draw(1.0), draw(1.0), draw(2.0)
     assert all(np.array_equal(a, b) for a, b in zip(one, again))  # the same stream, the same hand
@@ -176,8 +185,8 @@ def test_distort_changes_a_glyph_s_shape_not_only_its_place(glyph):
     }
     assert mean[0.5] < mean[1.0] < mean[2.0]
     # without the jitter (data.jitter=0) the shape still changes: the two keys are independent
-    exact = hw.draw_glyph(glyph, box, size, "futural", np.random.default_rng(3), 0.0)
-    bent = hw.draw_glyph(glyph, box, size, "futural", np.random.default_rng(3), 0.0, None, 1.0)
+    exact = glyphs.draw_glyph(glyph, box, size, "futural", np.random.default_rng(3), 0.0)
+    bent = glyphs.draw_glyph(glyph, box, size, "futural", np.random.default_rng(3), 0.0, None, 1.0)
     assert _affine_residual(np.concatenate(exact), np.concatenate(bent)) > 0.01 * size
 
 
@@ -192,30 +201,32 @@ def test_allographs_draw_the_other_forms_by_their_chance():
     box, size = (10.0, 20.0, 30.0, 48.0), 28.0
 
     def draw(c, chance, seed, jitter=0.0):
-        return hw.draw_glyph(c, box, size, "futural", np.random.default_rng(seed), jitter, None, 0.0, chance)
+        return glyphs.draw_glyph(
+            c, box, size, "futural", np.random.default_rng(seed), jitter, None, 0.0, chance
+        )
 
-    forms = {c: [hw._to_unit(f) for f in fs] for c, fs in hw.ALLOGRAPHS.items()}
+    forms = {c: [glyphs.to_unit(f) for f in fs] for c, fs in glyphs.ALLOGRAPHS.items()}
     for c in ("1", "x", "\\alpha", "w"):
-        legacy = hw.draw_glyph(c, box, size, "futural", np.random.default_rng(3), 1.0)
+        legacy = glyphs.draw_glyph(c, box, size, "futural", np.random.default_rng(3), 1.0)
         assert _same_strokes(draw(c, 0.0, 3, jitter=1.0), legacy)  # the stream untouched at 0
-    font = hw._to_unit(draw("4", 0.0, 0))
+    font = glyphs.to_unit(draw("4", 0.0, 0))
     seen = {c: set() for c in forms}
     for seed in range(40):
         for c, options in forms.items():
-            unit = hw._to_unit(draw(c, 1.0, seed))
+            unit = glyphs.to_unit(draw(c, 1.0, seed))
             match = [k for k, f in enumerate(options) if _same_strokes(unit, f)]
             assert match, f"{c} at chance 1 was not drawn in one of its forms"
             seen[c].add(match[0])
     assert all(seen[c] == set(range(len(forms[c]))) for c in forms)  # every form is drawn
     assert not any(_same_strokes(font, f) for f in forms["4"])  # the forms are not the font's glyph
-    half = [any(_same_strokes(hw._to_unit(draw("4", 0.5, k)), f) for f in forms["4"]) for k in range(200)]
+    half = [any(_same_strokes(glyphs.to_unit(draw("4", 0.5, k)), f) for f in forms["4"]) for k in range(200)]
     assert 60 < sum(half) < 140  # about half of them
     # a symbol without other forms is drawn as before
     assert all(_same_strokes(draw("w", 1.0, k, 1.0), draw("w", 0.0, k, 1.0)) for k in range(5))
     # real ink (data.glyphs=crohme) is drawn as written, whatever the chance
     bank = {"4": [[np.array([(0.0, 0.0), (1.0, 2.0)]), np.array([(1.0, 0.0), (0.0, 2.0)])]]}
-    real = hw.draw_glyph("4", box, size, "futural", np.random.default_rng(1), 0.0, bank, 0.0, 1.0)
-    assert _same_strokes(hw._to_unit(real), hw._to_unit(bank["4"][0]))
+    real = glyphs.draw_glyph("4", box, size, "futural", np.random.default_rng(1), 0.0, bank, 0.0, 1.0)
+    assert _same_strokes(glyphs.to_unit(real), glyphs.to_unit(bank["4"][0]))
 
 
 def _build_handwritten(tmp_path, *extra):
@@ -223,7 +234,7 @@ def _build_handwritten(tmp_path, *extra):
     base = ["debug=tiny", "data.style=handwritten", "data.symbols=crohme", "data.render_workers=1"]
     cfg = compose_config([*base, *extra]).data
     cfg.cache_dir = str(tmp_path)
-    return S._cache_params(cfg), S.build_splits(cfg)
+    return synthetic.cache_params(cfg), synthetic.build_splits(cfg)
 
 
 def _own_cache_entry(tmp_path, key: str, *extra) -> tuple[dict, dict]:
@@ -255,8 +266,8 @@ def test_allographs_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
     names = ("\\sin", "\\cos", "\\tan", "\\log", "\\lim")  # drawn as their letters
 
     def has_other_forms(tokens):
-        glyphs = set(tokens) | {ch for t in tokens if t in names for ch in t[1:]}
-        return bool(glyphs & set(hw.ALLOGRAPHS))
+        drawn = set(tokens) | {ch for t in tokens if t in names for ch in t[1:]}
+        return bool(drawn & set(glyphs.ALLOGRAPHS))
 
     _changes_exactly_where(tmp_path, "allographs", has_other_forms)
 
@@ -269,42 +280,42 @@ def test_more_forms_draw_their_symbols_and_roots_by_their_chance():
 
     def draw(c, more, seed, jitter=0.0, allographs=0.0):
         rng = np.random.default_rng(seed)
-        return hw.draw_glyph(c, box, size, "futural", rng, jitter, None, 0.0, allographs, more)
+        return glyphs.draw_glyph(c, box, size, "futural", rng, jitter, None, 0.0, allographs, more)
 
-    forms = {c: [hw._to_unit(f) for f in fs] for c, fs in hw.MORE_FORMS.items()}
+    forms = {c: [glyphs.to_unit(f) for f in fs] for c, fs in glyphs.MORE_FORMS.items()}
     for c in ("0", "(", "\\beta", "4"):
-        legacy = hw.draw_glyph(c, box, size, "futural", np.random.default_rng(3), 1.0, None, 0.0, 0.5)
+        legacy = glyphs.draw_glyph(c, box, size, "futural", np.random.default_rng(3), 1.0, None, 0.0, 0.5)
         assert _same_strokes(draw(c, 0.0, 3, jitter=1.0, allographs=0.5), legacy)
     seen = {c: set() for c in forms}
     for seed in range(30):
         for c, options in forms.items():
-            unit = hw._to_unit(draw(c, 1.0, seed))
+            unit = glyphs.to_unit(draw(c, 1.0, seed))
             match = [k for k, f in enumerate(options) if _same_strokes(unit, f)]
             assert match, f"{c} at chance 1 was not drawn in one of its forms"
             seen[c].add(match[0])
         # data.allographs alone decides the symbols of ALLOGRAPHS
         assert _same_strokes(draw("4", 1.0, seed, 1.0), draw("4", 0.0, seed, 1.0))
     assert all(seen[c] == set(range(len(forms[c]))) for c in forms)
-    assert not any(_same_strokes(hw._to_unit(draw("0", 0.0, 0)), f) for f in forms["0"])
+    assert not any(_same_strokes(glyphs.to_unit(draw("0", 0.0, 0)), f) for f in forms["0"])
 
     def sign(more, seed, jitter=0.0):  # the sign's points before the bar, in the unit of its box
-        (pts,) = hw.draw_radical(
+        (pts,) = glyphs.draw_radical(
             (0.0, 0.0, 10.0, 20.0), 60.0, 0.0, np.random.default_rng(seed), jitter, 28.0, None, more
         )
         return pts
 
-    (legacy,) = hw.draw_radical((0.0, 0.0, 10.0, 20.0), 60.0, 0.0, np.random.default_rng(1), 1.0, 28.0)
+    (legacy,) = glyphs.draw_radical((0.0, 0.0, 10.0, 20.0), 60.0, 0.0, np.random.default_rng(1), 1.0, 28.0)
     assert np.array_equal(sign(0.0, 1, 1.0), legacy)
-    assert np.allclose(sign(0.0, 0)[:-1] / (10.0, 20.0), hw.RADICAL)
+    assert np.allclose(sign(0.0, 0)[:-1] / (10.0, 20.0), glyphs.RADICAL)
     seen = set()
     for k in range(30):
         pts = sign(1.0, k)
         assert (pts[-1] == (60.0, 0.0)).all() and pts[-2, 1] == 0.0  # the bar from the sign's top to its end
         unit = pts[:-1] / (10.0, 20.0)
-        match = [i for i, r in enumerate(hw.RADICALS) if len(r) == len(unit) and np.allclose(unit, r)]
+        match = [i for i, r in enumerate(glyphs.RADICALS) if len(r) == len(unit) and np.allclose(unit, r)]
         assert match, "a root's sign at chance 1 is not one of RADICALS"
         seen.add(match[0])
-    assert seen == set(range(len(hw.RADICALS)))
+    assert seen == set(range(len(glyphs.RADICALS)))
 
 
 @pytest.mark.slow  # make test-all (make test stays under 5 minutes)
@@ -313,8 +324,8 @@ def test_more_forms_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
     names = ("\\sin", "\\cos", "\\tan", "\\log", "\\lim")  # drawn as their letters
 
     def has_more_forms(tokens):
-        glyphs = set(tokens) | {ch for t in tokens if t in names for ch in t[1:]}
-        return bool(glyphs & set(hw.MORE_FORMS)) or "\\sqrt" in tokens
+        drawn = set(tokens) | {ch for t in tokens if t in names for ch in t[1:]}
+        return bool(drawn & set(glyphs.MORE_FORMS)) or "\\sqrt" in tokens
 
     _changes_exactly_where(tmp_path, "more_forms", has_more_forms)
 
@@ -356,12 +367,12 @@ def test_script_place_puts_scripts_where_writers_do():
     x, two, plus, y, three, total, i = 0, 3, 5, 6, 9, 12, 15
 
     def draw(chance):
-        return S.render_handwritten(
+        return handwritten.render_handwritten(
             tokens, "cm", 28, np.random.default_rng(1), RASTER, 0.0, script_place=chance
         )
 
     (img0, layout), (_, placed) = draw(0.0), draw(1.0)
-    default, _ = S.render_handwritten(tokens, "cm", 28, np.random.default_rng(1), RASTER, 0.0)
+    default, _ = handwritten.render_handwritten(tokens, "cm", 28, np.random.default_rng(1), RASTER, 0.0)
     assert np.array_equal(img0, default)
     size0, down0, gap0 = _placement(layout, x, two)
     size1, down1, gap1 = _placement(placed, x, two)
@@ -377,37 +388,41 @@ def test_script_place_puts_scripts_where_writers_do():
 @pytest.mark.slow  # make test-all (make test stays under 5 minutes)
 def test_script_place_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
     """data.script_place draws another image exactly where a label has a script on a drawn base."""
-    _changes_exactly_where(tmp_path, "script_place", lambda tokens: bool(hw._script_groups(tokens)))
+    _changes_exactly_where(tmp_path, "script_place", lambda tokens: bool(placement.script_groups(tokens)))
 
 
 def test_script_place_refuses_a_negative_chance():
     cfg = compose_config(["data.style=handwritten", "data.script_place=-0.5"]).data
     with pytest.raises(UserError, match=r"data.script_place=-0.5 must be >= 0"):
-        S._cache_params(cfg)
+        synthetic.cache_params(cfg)
 
 
 def test_font_mix_draws_glyphs_of_one_expression_in_several_fonts(monkeypatch):
     """data.font_mix: 0 draws every glyph of an expression in its one font, the default's pixels bit for bit; 1
     draws each glyph in a font of its own, so that expressions mix fonts; between, some glyphs only."""
     tokens = "a b + c d = e f g h k m".split()
-    default, _ = S.render_handwritten(tokens, "cm", 28, np.random.default_rng(5), RASTER)
-    still, _ = S.render_handwritten(tokens, "cm", 28, np.random.default_rng(5), RASTER, font_mix=0.0)
+    default, _ = handwritten.render_handwritten(tokens, "cm", 28, np.random.default_rng(5), RASTER)
+    still, _ = handwritten.render_handwritten(
+        tokens, "cm", 28, np.random.default_rng(5), RASTER, font_mix=0.0
+    )
     assert np.array_equal(default, still)
     fonts: list[str] = []
-    drawn = hw.draw_glyph
+    drawn = glyphs.draw_glyph
 
     def record(c, box, size, text_font, *args):
         fonts.append(text_font)
         return drawn(c, box, size, text_font, *args)
 
-    monkeypatch.setattr(hw, "draw_glyph", record)
+    monkeypatch.setattr(glyphs, "draw_glyph", record)
 
     def mixed(chance, n=30):
         counts = []
         for seed in range(n):
             fonts.clear()
-            S.render_handwritten(tokens, "cm", 28, np.random.default_rng(seed), RASTER, font_mix=chance)
-            assert set(fonts) <= set(hw.TEXT_FONTS)
+            handwritten.render_handwritten(
+                tokens, "cm", 28, np.random.default_rng(seed), RASTER, font_mix=chance
+            )
+            assert set(fonts) <= set(glyphs.TEXT_FONTS)
             counts.append(len(set(fonts)))
         return counts
 
@@ -435,23 +450,25 @@ def test_spacing_sets_symbols_apart_as_writers_do():
     a, plus, b, eq, frac, c, d, e, minus, sqrt, x, y, k = 0, 1, 2, 3, 4, 6, 7, 10, 12, 13, 15, 16, 18
 
     def draw(amount):
-        return S.render_handwritten(tokens, "cm", 28, np.random.default_rng(2), RASTER, 0.0, spacing=amount)
+        return handwritten.render_handwritten(
+            tokens, "cm", 28, np.random.default_rng(2), RASTER, 0.0, spacing=amount
+        )
 
     (img0, tight), (img1, apart) = draw(0.0), draw(1.0)
-    default, _ = S.render_handwritten(tokens, "cm", 28, np.random.default_rng(2), RASTER, 0.0)
+    default, _ = handwritten.render_handwritten(tokens, "cm", 28, np.random.default_rng(2), RASTER, 0.0)
     assert np.array_equal(img0, default)
     assert img1.shape[1] > img0.shape[1] and img1.shape[0] > img0.shape[0]  # wider, and the fraction taller
     h = np.median([tight[i, 3] - tight[i, 1] for i in (a, b, c, d, e, x, y, k)])
     pairs = [(a, plus), (plus, b), (b, eq), (c, d), (x, y)]
     grown = _gaps(tokens, apart, pairs) - _gaps(tokens, tight, pairs)
-    assert grown == pytest.approx(np.full(len(pairs), hw.SYMBOL_GAP * h), rel=0.15)
+    assert grown == pytest.approx(np.full(len(pairs), placement.SYMBOL_GAP * h), rel=0.15)
     for boxes in (tight, apart):  # the bar under both lines, the radical over its argument
         assert boxes[frac, 0] <= min(boxes[c, 0], boxes[e, 0]) + 1
         assert boxes[frac, 2] >= max(boxes[d, 2], boxes[e, 2]) - 1
         assert boxes[sqrt, 0] < boxes[x, 0] and boxes[sqrt, 2] >= boxes[y, 2] - 1
     assert apart[minus, 0] > apart[frac, 2]  # what follows the fraction is still after it
     # the fraction opened: its numerator higher above the bar, its denominator lower, the bar longer on both sides
-    up, down, left, right = (g * h for g in hw.FRACTION_GAPS)
+    up, down, left, right = (g * h for g in placement.FRACTION_GAPS)
     num0, num1 = tight[frac, 1] - tight[(c, d), 3].max(), apart[frac, 1] - apart[(c, d), 3].max()
     den0, den1 = tight[e, 1] - tight[frac, 3], apart[e, 1] - apart[frac, 3]
     assert num1 - num0 == pytest.approx(up, rel=0.15) and den1 - den0 == pytest.approx(down, rel=0.15)
@@ -475,17 +492,17 @@ def test_spacing_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
 def test_handwritten_splits_are_cached(tmp_path):
     cfg = compose_config(["debug=tiny", "data.style=handwritten", "data.symbols=crohme"]).data
     cfg.cache_dir = str(tmp_path)
-    first = S.build_splits(cfg)
+    first = synthetic.build_splits(cfg)
     files = list(tmp_path.rglob("splits.npz"))
     assert len(files) == 1
-    again = S.build_splits(cfg)
-    for split in S.SPLITS:
+    again = synthetic.build_splits(cfg)
+    for split in synthetic.SPLITS:
         assert [s.tokens for s in first[split]] == [s.tokens for s in again[split]]
         assert all(np.array_equal(x.image, y.image) for x, y in zip(first[split], again[split]))
     assert any(not np.isnan(s.boxes).all() for s in first["train"])
     printed = compose_config(["debug=tiny", "data.symbols=crohme"]).data
     printed.cache_dir = str(tmp_path)
-    S.build_splits(printed)
+    synthetic.build_splits(printed)
     assert len(list(tmp_path.rglob("splits.npz"))) == 2  # another style, another cache entry
 
 
@@ -543,14 +560,16 @@ def test_size_jitter_spreads_the_size_of_whole_expressions():
     from wapstable.cli import layout
 
     tokens = "a b + c d = e f g h k m".split()
-    default, _ = S.render_handwritten(tokens, "cm", 28, np.random.default_rng(5), RASTER, 0.0)
-    still, _ = S.render_handwritten(tokens, "cm", 28, np.random.default_rng(5), RASTER, 0.0, size_jitter=0.0)
+    default, _ = handwritten.render_handwritten(tokens, "cm", 28, np.random.default_rng(5), RASTER, 0.0)
+    still, _ = handwritten.render_handwritten(
+        tokens, "cm", 28, np.random.default_rng(5), RASTER, 0.0, size_jitter=0.0
+    )
     assert np.array_equal(default, still)
 
     def sizes(spread, n=40):
         out = []
         for seed in range(n):
-            img, boxes = S.render_handwritten(
+            img, boxes = handwritten.render_handwritten(
                 tokens, "cm", 28, np.random.default_rng(seed), RASTER, 0.0, size_jitter=spread
             )
             letter_px = layout.measure(tokens, boxes)[("letter px", -1)]  # the median letter height
@@ -684,7 +703,7 @@ def ink_folder(root, copies=3):
 
 
 def test_symbols_are_cut_from_the_trace_groups(tmp_path):
-    from wapstable.data import ink_bank
+    from wapstable.data.ink import bank as ink_bank
 
     folder = ink_folder(tmp_path)
     tokens, symbols = ink_bank.read_symbols(next(folder.rglob("*.inkml")))
@@ -702,12 +721,14 @@ def test_symbols_are_cut_from_the_trace_groups(tmp_path):
 
 
 def test_real_symbols_are_drawn_in_the_layout(tmp_path):
-    from wapstable.data import ink_bank
+    from wapstable.data.ink import bank as ink_bank
 
     bank = ink_bank.load_bank(str(ink_bank.bank_path(ink_folder(tmp_path), 0.0, tmp_path / "cache")))
     tokens = "x + 2".split()
-    real, boxes = S.render_handwritten(tokens, "cm", 28, np.random.default_rng(0), RASTER, 0.0, bank)
-    fonts, _ = S.render_handwritten(tokens, "cm", 28, np.random.default_rng(0), RASTER, 0.0)
+    real, boxes = handwritten.render_handwritten(
+        tokens, "cm", 28, np.random.default_rng(0), RASTER, 0.0, bank
+    )
+    fonts, _ = handwritten.render_handwritten(tokens, "cm", 28, np.random.default_rng(0), RASTER, 0.0)
     assert not (real.shape == fonts.shape and np.array_equal(real, fonts))
     # the written x (two strokes from (20, 60)-(50, 100) and (50, 60)-(20, 100)) is a cross as tall as it is wide
     x0, y0, x1, y1 = boxes[0]
@@ -755,7 +776,7 @@ def test_crohme_pretraining_on_real_symbols_takes_the_run_s_folders(tmp_path, ca
     run_train(args, run, cache_dir)
     assert json.loads((run / "pretrain" / "metrics.json").read_text())["steps"] == 2
     # the bank of the run's TrainINKML keys the pretraining's rendered data
-    from wapstable.data.ink_bank import bank_path
+    from wapstable.data.ink.bank import bank_path
 
     bank = bank_path(root / "TrainINKML", 0.05, cache_dir)  # data=crohme's hold-out
     keys = [json.loads(str(np.load(p)["params"])) for p in (cache_dir / "synthetic").glob("*/splits.npz")]

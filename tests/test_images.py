@@ -12,7 +12,7 @@ from conftest import ROOT, python_run, run_train
 from PIL import Image, ImageDraw, ImageFont
 
 from wapstable.data.batches import Batch
-from wapstable.data.crohme import rasterize_traces
+from wapstable.data.ink.raster import rasterize_traces
 from wapstable.data.normalize import InkStats, measure, normalize, to_ink, training_stats
 from wapstable.data.pixel_aug import active, augment_batch, check_pixel_aug
 from wapstable.errors import UserError

@@ -6,8 +6,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from wapstable.data import synthetic
+from wapstable.data.render import grammar, mathtext
 from wapstable.data.sample import Sample
+from wapstable.data.sources import synthetic
 
 STRUCTURED = ("\\frac", "\\sqrt", "_", "^")  # each must be followed by a { ... } group
 
@@ -18,7 +19,7 @@ def make_cfg(tmp_path, name="cache", **overrides):
         num_valid=8,
         num_test=8,
         difficulty=2,
-        fonts=list(synthetic.FONTS),
+        fonts=list(mathtext.FONTS),
         font_size=16,
         augment=True,
         seed=0,
@@ -51,16 +52,16 @@ def same_splits(a, b):
 
 
 def test_generate_expressions_is_deterministic_and_distinct():
-    a = synthetic.generate_expressions(200, seed=3, difficulty=2)
-    assert a == synthetic.generate_expressions(200, seed=3, difficulty=2)
-    assert a != synthetic.generate_expressions(200, seed=4, difficulty=2)
+    a = grammar.generate_expressions(200, seed=3, difficulty=2)
+    assert a == grammar.generate_expressions(200, seed=3, difficulty=2)
+    assert a != grammar.generate_expressions(200, seed=4, difficulty=2)
     assert len(a) == 200 and len({" ".join(t) for t in a}) == 200
     # one token per list item, as a whitespace-separated WAP caption and dictionary need
     assert all(tok and not any(c.isspace() for c in tok) for t in a for tok in t)
 
 
 def test_difficulty_2_is_short_but_full_of_structures():
-    exprs = synthetic.generate_expressions(500, seed=0, difficulty=2)
+    exprs = grammar.generate_expressions(500, seed=0, difficulty=2)
     lengths = np.array([len(t) for t in exprs])
     assert 3 <= np.median(lengths) <= 15
     assert (lengths <= 25).mean() >= 0.9
@@ -70,19 +71,19 @@ def test_difficulty_2_is_short_but_full_of_structures():
 
 
 def test_difficulty_sets_structure_and_length():
-    flat = synthetic.generate_expressions(300, seed=0, difficulty=1)
+    flat = grammar.generate_expressions(300, seed=0, difficulty=1)
     assert not any(tok in STRUCTURED + ("{", "}") for t in flat for tok in t)
-    means = [np.mean([len(t) for t in synthetic.generate_expressions(200, 0, d)]) for d in (1, 2, 3, 4)]
+    means = [np.mean([len(t) for t in grammar.generate_expressions(200, 0, d)]) for d in (1, 2, 3, 4)]
     assert means == sorted(means) and means[3] > 2 * means[1]
-    deep = synthetic.generate_expressions(300, seed=0, difficulty=4)
+    deep = grammar.generate_expressions(300, seed=0, difficulty=4)
     assert any(t.count("\\frac") >= 2 for t in deep) and any("\\sum" in t or "\\int" in t for t in deep)
     with pytest.raises(ValueError, match="difficulty"):
-        synthetic.generate_expressions(1, seed=0, difficulty=5)
+        grammar.generate_expressions(1, seed=0, difficulty=5)
 
 
 @pytest.mark.parametrize("difficulty", [1, 2, 3, 4])
 def test_tokens_are_crohme_style(difficulty):
-    for tokens in synthetic.generate_expressions(300, seed=1, difficulty=difficulty):
+    for tokens in grammar.generate_expressions(300, seed=1, difficulty=difficulty):
         depth = 0
         for i, tok in enumerate(tokens):
             depth += (tok == "{") - (tok == "}")
@@ -94,11 +95,11 @@ def test_tokens_are_crohme_style(difficulty):
 
 def test_tokens_to_mathtext_glues_tokens():
     # a blank before ^ would make mathtext set the exponent full size
-    assert synthetic.tokens_to_mathtext(["x", "^", "{", "2", "}"]) == "$x^{2}$"
-    assert synthetic.tokens_to_mathtext(["\\frac", "{", "a", "}", "{", "b", "}"]) == "$\\frac{a}{b}$"
+    assert mathtext.tokens_to_mathtext(["x", "^", "{", "2", "}"]) == "$x^{2}$"
+    assert mathtext.tokens_to_mathtext(["\\frac", "{", "a", "}", "{", "b", "}"]) == "$\\frac{a}{b}$"
     # but a command word must not swallow the next letter
-    assert synthetic.tokens_to_mathtext(["2", "\\pi", "r"]) == "$2\\pi r$"
-    assert synthetic.tokens_to_mathtext(["\\{", "x", "\\}"]) == "$\\{x\\}$"
+    assert mathtext.tokens_to_mathtext(["2", "\\pi", "r"]) == "$2\\pi r$"
+    assert mathtext.tokens_to_mathtext(["\\{", "x", "\\}"]) == "$\\{x\\}$"
 
 
 # -----------------------------------------------------------------------------
@@ -108,12 +109,12 @@ def test_tokens_to_mathtext_glues_tokens():
 def test_every_token_renders_in_every_font(caplog):
     # Missing glyphs are a font matter, so every terminal is rendered in every font; mathtext only logs them.
     terminals = (
-        synthetic.DIGITS
-        + synthetic.LETTERS
-        + synthetic.GREEK
-        + synthetic.OPERATORS
-        + synthetic.RELATIONS
-        + [b for pair in synthetic.BRACKETS for b in pair]
+        grammar.DIGITS
+        + grammar.LETTERS
+        + grammar.GREEK
+        + grammar.OPERATORS
+        + grammar.RELATIONS
+        + [b for pair in grammar.BRACKETS for b in pair]
     )
     tokens = [
         *terminals,
@@ -135,8 +136,8 @@ def test_every_token_renders_in_every_font(caplog):
     ]
     tokens += ["\\sqrt", "{", "\\frac", "{", "a", "}", "{", "b", "}", "}"]
     with caplog.at_level(logging.WARNING, logger="matplotlib.mathtext"):
-        for font in synthetic.FONTS:
-            img = synthetic.render(tokens, font, 16, None, augment=False)
+        for font in mathtext.FONTS:
+            img = mathtext.render(tokens, font, 16, None, augment=False)
             assert img.dtype == np.uint8 and img.ndim == 2 and (img == 255).any()
     assert not caplog.records, [r.getMessage()[:200] for r in caplog.records]
 
@@ -144,19 +145,19 @@ def test_every_token_renders_in_every_font(caplog):
 @pytest.mark.parametrize("difficulty,n", [(1, 300), (2, 300), (3, 200), (4, 100)])
 def test_every_label_renders(difficulty, n, caplog):
     # parse errors do not depend on the font, so the fonts take turns to keep the test fast
-    exprs = synthetic.generate_expressions(n, seed=11, difficulty=difficulty)
+    exprs = grammar.generate_expressions(n, seed=11, difficulty=difficulty)
     with caplog.at_level(logging.WARNING, logger="matplotlib.mathtext"):
         for i, tokens in enumerate(exprs):
-            img = synthetic.render(tokens, synthetic.FONTS[i % len(synthetic.FONTS)], 16, None, augment=False)
+            img = mathtext.render(tokens, mathtext.FONTS[i % len(mathtext.FONTS)], 16, None, augment=False)
             assert img.ndim == 2 and img.max() >= 128, tokens  # ink, if anti-aliased
     assert not caplog.records, [r.getMessage()[:200] for r in caplog.records]
 
 
 def test_render_image_is_cropped_uint8_with_ink():
     tokens = ["\\frac", "{", "a", "+", "1", "}", "{", "2", "}", "=", "x", "^", "{", "2", "}"]
-    m = synthetic.MARGIN
+    m = mathtext.MARGIN
     for augment in (False, True):
-        img = synthetic.render(tokens, "cm", 16, np.random.default_rng(0), augment)
+        img = mathtext.render(tokens, "cm", 16, np.random.default_rng(0), augment)
         assert img.dtype == np.uint8 and img.ndim == 2
         assert 20 <= img.shape[0] <= 70 and 30 <= img.shape[1] <= 300, img.shape
         assert img.max() >= 128 and img.mean() < 64  # ink is bright on a dark background
@@ -168,22 +169,22 @@ def test_render_image_is_cropped_uint8_with_ink():
 
 def test_augmentation_is_seeded_and_changes_the_image():
     tokens = ["\\sqrt", "{", "x", "}", "+", "y", "_", "{", "i", "}"]
-    a = synthetic.render(tokens, "stix", 16, np.random.default_rng(5), augment=True)
-    b = synthetic.render(tokens, "stix", 16, np.random.default_rng(5), augment=True)
-    c = synthetic.render(tokens, "stix", 16, np.random.default_rng(6), augment=True)
-    clean = synthetic.render(tokens, "stix", 16, None, augment=False)
+    a = mathtext.render(tokens, "stix", 16, np.random.default_rng(5), augment=True)
+    b = mathtext.render(tokens, "stix", 16, np.random.default_rng(5), augment=True)
+    c = mathtext.render(tokens, "stix", 16, np.random.default_rng(6), augment=True)
+    clean = mathtext.render(tokens, "stix", 16, None, augment=False)
     assert a.tobytes() == b.tobytes() and a.shape == b.shape
     assert a.shape != c.shape or a.tobytes() != c.tobytes()
     assert a.shape != clean.shape or a.tobytes() != clean.tobytes()
-    assert clean.tobytes() == synthetic.render(tokens, "stix", 16, None, augment=False).tobytes()
+    assert clean.tobytes() == mathtext.render(tokens, "stix", 16, None, augment=False).tobytes()
 
 
 def test_fonts_differ_and_unknown_font_fails():
     tokens = ["\\alpha", "+", "\\frac", "{", "1", "}", "{", "x", "}"]
-    images = {synthetic.render(tokens, f, 16, None, False).tobytes() for f in synthetic.FONTS}
-    assert len(images) == len(synthetic.FONTS)
+    images = {mathtext.render(tokens, f, 16, None, False).tobytes() for f in mathtext.FONTS}
+    assert len(images) == len(mathtext.FONTS)
     with pytest.raises(ValueError):
-        synthetic.render(tokens, "comic", 16, None, False)
+        mathtext.render(tokens, "comic", 16, None, False)
 
 
 # -----------------------------------------------------------------------------
@@ -191,7 +192,7 @@ def test_fonts_differ_and_unknown_font_fails():
 
 
 def test_build_splits_is_deterministic_and_independent_of_workers(tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="wapstable.data.synthetic"):
+    with caplog.at_level(logging.INFO, logger="wapstable.data.sources.synthetic"):
         a = synthetic.build_splits(make_cfg(tmp_path, "a", render_workers=1))
     assert any(
         "rendered 40 images in" in r.getMessage() and "images/s" in r.getMessage() for r in caplog.records
@@ -239,7 +240,7 @@ def test_second_build_loads_the_cache(tmp_path, monkeypatch, caplog):
 
     monkeypatch.setattr(synthetic, "render", no_render)
     # neither the worker count nor the cache location is part of what the data is
-    with caplog.at_level(logging.INFO, logger="wapstable.data.synthetic"):
+    with caplog.at_level(logging.INFO, logger="wapstable.data.sources.synthetic"):
         again = synthetic.build_splits(make_cfg(tmp_path, render_workers=3))
     same_splits(first, again)
     assert any("loaded synthetic splits" in r.getMessage() for r in caplog.records)
@@ -274,7 +275,7 @@ def test_corrupt_cache_is_rendered_again(tmp_path, caplog, damage):
         arrays["test_shapes"] = arrays["test_shapes"][:-1]
         with open(path, "wb") as f:
             np.savez(f, **arrays)
-    with caplog.at_level(logging.WARNING, logger="wapstable.data.synthetic"):
+    with caplog.at_level(logging.WARNING, logger="wapstable.data.sources.synthetic"):
         again = synthetic.build_splits(cfg)
     assert any("rendering it again" in r.getMessage() for r in caplog.records)
     same_splits(first, again)

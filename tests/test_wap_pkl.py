@@ -8,8 +8,8 @@ import pytest
 from wapstable.data.batches import check_labels
 from wapstable.data.latex import DataError
 from wapstable.data.sample import Sample
+from wapstable.data.sources.wap_pkl import load_wap_split, write_wap_split
 from wapstable.data.vocab import Vocab
-from wapstable.data.wap_pkl import load_wap_split, write_wap_split
 from wapstable.errors import UserError
 
 

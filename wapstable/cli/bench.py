@@ -43,7 +43,8 @@ import torch
 from wapstable.checkpoint import rng_state
 from wapstable.cli import run_script
 from wapstable.config import CONF_DIR, TINY_OVERRIDES, quote_group_options, register_configs
-from wapstable.data.synthetic import generate_expressions, render
+from wapstable.data.render.grammar import generate_expressions
+from wapstable.data.render.mathtext import render
 from wapstable.model.attention import CoverageAttention, masked_softmax
 from wapstable.model.loss import forward_loss
 from wapstable.stability.clipping import AutoClipHistory, clip_gradients_, clip_options

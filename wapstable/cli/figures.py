@@ -5,7 +5,7 @@
 
 Each picture comes from the project's own tools, so it shows what a user of them sees:
 
-    samples.png            rendered training samples and their LaTeX (wapstable.data.synthetic, as data=synthetic)
+    samples.png            rendered training samples and their LaTeX (wapstable.data.render, as data=synthetic)
     symbol-boxes.png       the box of each token's symbol over rendered samples (the attention guide's targets)
     handwriting.png        rendered handwriting (data.style=handwritten) with its boxes; --crohme: real ink beside
     images.png             images from elsewhere before and after data/normalize.py brings them to the model's ink:
@@ -80,7 +80,8 @@ def samples(out: Path, n: int = 12, seed: int = 0) -> Path:
     from omegaconf import OmegaConf
 
     from wapstable.config import CONF_DIR
-    from wapstable.data.synthetic import FONTS, generate_expressions, render
+    from wapstable.data.render.grammar import generate_expressions
+    from wapstable.data.render.mathtext import FONTS, render
 
     data = OmegaConf.load(CONF_DIR / "data" / "synthetic.yaml")
     exprs = generate_expressions(n, seed, int(data.difficulty))
@@ -120,7 +121,8 @@ def symbol_boxes(out: Path, n: int = 6, seed: int = 1, crohme: Path | None = Non
     from omegaconf import OmegaConf
 
     from wapstable.config import CONF_DIR
-    from wapstable.data.synthetic import FONTS, generate_expressions, render_boxes
+    from wapstable.data.render.grammar import generate_expressions
+    from wapstable.data.render.mathtext import FONTS, render_boxes
 
     data = OmegaConf.load(CONF_DIR / "data" / "synthetic.yaml")
     panels = []  # (image, boxes, tokens, caption)
@@ -146,8 +148,10 @@ def handwriting(out: Path, n: int = 8, seed: int = 2, crohme: Path | None = None
     from omegaconf import OmegaConf
 
     from wapstable.config import CONF_DIR, DataConfig
-    from wapstable.data.crohme import Raster
-    from wapstable.data.synthetic import FONTS, generate_expressions, render_handwritten
+    from wapstable.data.ink.raster import Raster
+    from wapstable.data.render.grammar import generate_expressions
+    from wapstable.data.render.handwritten import render_handwritten
+    from wapstable.data.render.mathtext import FONTS
 
     data = OmegaConf.merge(
         OmegaConf.structured(DataConfig),
@@ -167,7 +171,7 @@ def handwriting(out: Path, n: int = 8, seed: int = 2, crohme: Path | None = None
         )
         panels.append((image, boxes, tokens, "rendered handwriting (data.style=handwritten)"))
     if crohme is not None:
-        from wapstable.data.ink_bank import bank_path, load_bank
+        from wapstable.data.ink.bank import bank_path, load_bank
 
         # the same layouts with real symbols cut from the folder's traceGroups (data.glyphs=crohme)
         bank = load_bank(str(bank_path(Path(crohme), float(data.valid_fraction), data.cache_dir)))
@@ -198,7 +202,8 @@ def images(out: Path, wap: Path | None = None, crohme: Path | None = None, ink=N
     from PIL import Image
     from scipy import ndimage as ndi
 
-    from wapstable.data.crohme import Raster, read_inkml
+    from wapstable.data.ink.raster import Raster
+    from wapstable.data.ink.read import read_inkml
     from wapstable.data.normalize import InkStats, normalize
 
     ink = ink or InkStats(2.3, 31.0)
@@ -220,7 +225,7 @@ def images(out: Path, wap: Path | None = None, crohme: Path | None = None, ink=N
         theirs = np.asarray(Image.open(Path(wap) / f"{key}_0.bmp").convert("L"))
         source = f"the WAP authors' bitmap of {key}"
     else:
-        from wapstable.data.crohme import rasterize_traces
+        from wapstable.data.ink.raster import rasterize_traces
 
         strokes = [np.array([[0, 0], [20, 30]]), np.array([[20, 0], [0, 30]]), np.array([[30, 15], [50, 15]])]
         strokes += [np.array([[40, 5], [40, 25]]), np.array([[60, 0], [70, 5], [60, 30], [75, 30]])]
@@ -295,7 +300,8 @@ def _crohme_panels(folder: Path, count: int, raster=None) -> list[tuple]:
     from omegaconf import OmegaConf
 
     from wapstable.config import CONF_DIR, DataConfig
-    from wapstable.data.crohme import Raster, read_inkml
+    from wapstable.data.ink.raster import Raster
+    from wapstable.data.ink.read import read_inkml
     from wapstable.data.latex import DataError
 
     cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(CONF_DIR / "data" / "crohme.yaml"))

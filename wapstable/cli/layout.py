@@ -62,7 +62,7 @@ def _union(boxes: np.ndarray, lo: int, hi: int) -> np.ndarray | None:
 def measure(tokens: list[str], boxes: np.ndarray) -> dict[tuple[str, int], float]:
     """Every measure of one label's boxes, keyed by (measure, token index), so that a real file and its drawing can be
     matched place by place."""
-    from wapstable.data.handwriting import SCRIPT_MOVES, _closing
+    from wapstable.data.render.placement import SCRIPT_MOVES, closing_brace
 
     heights = [
         b[3] - b[1] for t, b in zip(tokens, boxes) if len(t) == 1 and t.isalnum() and np.isfinite(b).all()
@@ -77,10 +77,10 @@ def measure(tokens: list[str], boxes: np.ndarray) -> dict[tuple[str, int], float
             out[("gap", i)] = (b[0] - a[2]) / h
     for i, t in enumerate(tokens):
         if t == "\\frac" and i + 1 < len(tokens) and tokens[i + 1] == "{":
-            end_num = _closing(tokens, i + 1)
+            end_num = closing_brace(tokens, i + 1)
             if end_num + 1 >= len(tokens) or tokens[end_num + 1] != "{":
                 continue
-            end_den = _closing(tokens, end_num + 1)
+            end_den = closing_brace(tokens, end_num + 1)
             bar, num, den = (
                 boxes[i],
                 _union(boxes, i + 2, end_num - 1),
@@ -108,15 +108,17 @@ def compare(folder: Path, overrides: list[str], files: int, seed: int) -> dict:
     """{measure: {"n", "real", "drawn"}} over `files` InkML files of `folder` and their labels drawn again."""
     from wapstable.cli.bench import compose
     from wapstable.config import register_configs
-    from wapstable.data import synthetic as S
-    from wapstable.data.crohme import Raster, read_inkml
+    from wapstable.data.ink.raster import Raster
+    from wapstable.data.ink.read import read_inkml
     from wapstable.data.latex import DataError
+    from wapstable.data.render import handwritten
+    from wapstable.data.sources import synthetic
 
     register_configs()
     cfg = compose(["experiment=handwritten", *overrides]).data
     if str(cfg.style) != "handwritten":
         raise UserError(f"data.style={cfg.style}: the layout is compared for data.style=handwritten only")
-    straying = {**S.GLYPH_STRAYING, **S._straying(cfg)}
+    straying = {**synthetic.GLYPH_STRAYING, **synthetic.straying(cfg)}
     paths = sorted(Path(folder).expanduser().rglob("*.inkml"))
     if not paths:
         raise UserError(f"{folder}: no .inkml files; give a CROHME training folder such as DIR/TrainINKML")
@@ -135,7 +137,7 @@ def compare(folder: Path, overrides: list[str], files: int, seed: int) -> dict:
             continue
         rng = np.random.default_rng([seed, k])
         try:
-            _, boxes = S.render_handwritten(
+            _, boxes = handwritten.render_handwritten(
                 real.tokens,
                 fonts[int(rng.integers(len(fonts)))],
                 int(cfg.font_size),

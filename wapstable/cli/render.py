@@ -21,7 +21,7 @@ from PIL import Image
 
 from wapstable.cli import run_script
 from wapstable.data.latex import tokenize_latex
-from wapstable.data.synthetic import FONTS, render, tokens_to_mathtext
+from wapstable.data.render.mathtext import FONTS, render, tokens_to_mathtext
 from wapstable.errors import UserError
 
 
@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--line-width", type=int, default=2, help="InkML: data.line_width (default: 2)")
     args = p.parse_args(argv)
     if args.latex.endswith(".inkml"):
-        from wapstable.data.crohme import Raster, read_inkml
+        from wapstable.data.ink.raster import Raster
+        from wapstable.data.ink.read import read_inkml
 
         sample = read_inkml(args.latex, Raster(args.height, args.line_width, float(args.symbol_size)))
         tokens, img = sample.tokens, sample.image

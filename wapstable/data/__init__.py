@@ -1,2 +1,3 @@
-"""The data: samples (an image and its LaTeX tokens), the vocabulary, the three sources (`synthetic`, rendered by
-the project; `crohme`, InkML; `wap_pkl`, WAP's pickles) and the batches of a split (`batches`)."""
+"""The data: samples (an image and its LaTeX tokens), the vocabulary, the sources that data.name picks (`sources`:
+synthetic, crohme, wap_pkl, images), what they draw with (`render`: rendered expressions; `ink`: InkML), the one
+on-disk cache (`cache`) and the batches of a split (`batches`)."""

@@ -1,4 +1,5 @@
-"""Data sources (one dispatch point), WAP-style size-bucketed batching, padding masks, and the batch stream.
+"""The splits of the data source data.name (wapstable.data.sources), WAP-style size-bucketed batching, padding
+masks, and the batch stream.
 
 Batching follows the original WAP code: sort images by size, fill each batch while the padded batch stays under a
 pixel budget and a maximum batch size, drop images over the budget and labels over `max_tokens`.
@@ -6,7 +7,6 @@ pixel budget and a maximum batch size, drop images over the budget and labels ov
 
 import logging
 from collections.abc import Sequence
-from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -15,7 +15,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from wapstable.config import BucketBy
-from wapstable.data.sample import Sample, Splits, data_root
+from wapstable.data.sample import Sample, Splits
+from wapstable.data.sources import source_splits
 from wapstable.data.vocab import Vocab
 from wapstable.errors import UserError
 
@@ -43,7 +44,7 @@ def load_splits(cfg_data, which: Sequence[str] = SPLITS, ink=None) -> Splits:
 
     With data.normalize, every image is brought to the ink `ink` (an InkStats: a checkpoint's), or for a new
     model to data.ink_stroke / data.ink_symbol (data/normalize.py)."""
-    splits = SOURCES[cfg_data.name](cfg_data, which)
+    splits = source_splits(cfg_data, which)
     splits = splits if isinstance(splits, Splits) else Splits(splits)
     if cfg_data.get("normalize", False):
         from wapstable.data.normalize import InkStats, normalize
@@ -65,78 +66,6 @@ def by_test_set(samples: Sequence[Sample]) -> dict[str, list[Sample]]:
         name = s.id.split("/", 1)[0] if "/" in s.id else "test"
         sets.setdefault(name, []).append(s)
     return sets
-
-
-def synthetic_splits(cfg_data, which: Sequence[str]) -> dict[str, list[Sample]]:
-    """Expressions rendered by the project itself (cached under data.cache_dir)."""
-    from wapstable.data.synthetic import build_splits
-
-    for split in which:
-        if getattr(cfg_data, f"num_{split}") <= 0:
-            raise UserError(
-                f"data.num_{split}={getattr(cfg_data, f'num_{split}')} leaves the synthetic {split} split "
-                f"empty; set data.num_{split} to a positive number"
-            )
-    splits = Splits({split: samples for split, samples in build_splits(cfg_data).items() if split in which})
-    if "test" in which and getattr(cfg_data, "root", None) and getattr(cfg_data, "test_sets", None):
-        # rendered training data, real test sets: data.root and data.test_sets name CROHME folders, read as
-        # data=crohme reads them (the same raster settings), each reported on its own
-        from wapstable.data.crohme import crohme_splits
-
-        real = crohme_splits(cfg_data, ["test"])
-        splits["test"] = real["test"]
-        splits.report = real.report
-    return splits
-
-
-def read_splits(read_split, cfg_data, which: Sequence[str]) -> dict[str, list[Sample]]:
-    """A data set on disk under data.root: `read_split(cfg_data, root, part)` gives one split's (samples, errors)."""
-    name = cfg_data.name
-    root = data_root(cfg_data)
-    splits, errors = {}, []
-    for split in which:
-        try:
-            samples, errs = read_split(cfg_data, root, getattr(cfg_data, split))
-        except (ValueError, OSError) as e:
-            if isinstance(e, UserError):
-                raise
-            raise UserError(str(e)) from None
-        splits[split], errors = samples, errors + errs
-    if errors:
-        log.warning("skipped %d bad files or samples (data.on_error=skip)", len(errors))
-    for split, samples in splits.items():
-        if not samples:
-            raise UserError(
-                f"the {split} split of data={name} under {root} is empty; check data.root and data.{split}"
-            )
-    return splits
-
-
-def crohme_splits(cfg_data, which: Sequence[str]) -> Splits:
-    from wapstable.data.crohme import crohme_splits
-
-    return crohme_splits(cfg_data, which)
-
-
-def read_wap_pkl(cfg_data, root: Path, part: str):
-    from wapstable.data.wap_pkl import load_wap_split
-
-    return load_wap_split(root / f"offline-{part}.pkl", root / f"{part}_caption.txt", cfg_data.on_error)
-
-
-def image_splits(cfg_data, which: Sequence[str]) -> Splits:
-    from wapstable.data.images import image_splits
-
-    return image_splits(cfg_data, which)
-
-
-# data.name -> its splits (the schema's DataSource Enum lists the same names): adding a source is one entry here.
-SOURCES = {
-    "synthetic": synthetic_splits,
-    "crohme": crohme_splits,
-    "wap_pkl": partial(read_splits, read_wap_pkl),
-    "images": image_splits,
-}
 
 
 def load_vocab(cfg_data, splits: dict[str, list[Sample]]) -> Vocab:

@@ -104,13 +104,31 @@ def read_npz(path: Path, read: Callable[[np.lib.npyio.NpzFile], T], again: str) 
         return None
 
 
+def code_files(*modules: str) -> list[tuple[str, Path]]:
+    """(name, file) of every module of `modules` (module names): a package stands for all of its modules, its
+    subpackages' included, so a module added to it is covered without a change to any list of names."""
+    out = []
+    for name in modules:
+        spec = importlib.util.find_spec(name)
+        if spec.submodule_search_locations:  # a package
+            folder = Path(spec.origin).parent
+            for path in sorted(folder.rglob("*.py")):
+                parts = path.relative_to(folder).with_suffix("").parts
+                sub = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+                out.append((f"{name}.{sub}" if sub else name, path))
+        else:
+            out.append((name, Path(spec.origin)))
+    return out
+
+
 @cache
 def code_hash(*modules: str) -> str:
-    """A hash of the code of `modules` (module names), without its comments, docstrings and layout: part of a
-    cache's key, so that a change to the code that draws the pixels draws them again, with no version to bump."""
+    """A hash of the code of `modules` (module or package names, code_files), without its comments, docstrings and
+    layout: part of a cache's key, so that a change to the code that draws the pixels draws them again, with no
+    version to bump."""
     digest = hashlib.sha256()
-    for name in modules:
-        tree = ast.parse(Path(importlib.util.find_spec(name).origin).read_text(encoding="utf-8"))
+    for name, path in code_files(*modules):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             if isinstance(node, _DOCUMENTED) and ast.get_docstring(node, clean=False) is not None:
                 node.body = node.body[1:] or [ast.Pass()]

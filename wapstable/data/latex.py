@@ -89,6 +89,8 @@ CROHME_2014_SYMBOLS = tuple(
     """.split()
 )
 assert len(CROHME_2014_SYMBOLS) == 110 == len(set(CROHME_2014_SYMBOLS))
+# The tokens that draw nothing of their own (structure and layout): no symbol box, in rendered data or in InkML.
+INKLESS = frozenset({"{", "}", "^", "_", "\\limits"})
 
 # Spellings of one symbol that CROHME truths use interchangeably; the right side is what WAP's dictionary has.
 ALIASES = {

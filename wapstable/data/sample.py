@@ -1,5 +1,8 @@
-"""The one record every data source produces, and what a source returns: its splits, with a report."""
+"""The one record every data source produces, what a source returns (its splits, with a report), and the policy that
+holds a validation split out of a training folder by expression."""
 
+import hashlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -44,3 +47,10 @@ def data_root(cfg_data) -> Path:
     if not root.is_dir():
         raise UserError(f"data.root={cfg_data.root} is not a folder; set data.root to the {name} data folder")
     return root
+
+
+def held_out(tokens: Sequence[str], fraction: float) -> bool:
+    """Whether an expression belongs to the validation split: a hash of its normalised label, so every file of one
+    expression falls on the same side, the same way on every machine."""
+    digest = hashlib.sha256(" ".join(tokens).encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction

@@ -202,7 +202,7 @@ def rendered_mix(cfg: DictConfig, valid: list) -> list:
     with the run's raster (data.scale, height, symbol_size, line_width, unless pretrain.data sets them), to be mixed
     into a real training split; an expression whose label is a validation label is left out, so the validation
     split stays unseen."""
-    from wapstable.data.synthetic import build_splits
+    from wapstable.data.sources.synthetic import build_splits
 
     n = OmegaConf.select(cfg, "pretrain.mix", default=0)
     if n <= 0:

@@ -25,10 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from wapstable.data.cache import check_writable, code_hash, pack_images, read_npz, unpack_images, write_npz
-from wapstable.data.crohme import held_out
 from wapstable.data.latex import DataError, check_on_error, normalize_crohme, on_data_error, tokenize_latex
 from wapstable.data.normalize import normalize, read_image
-from wapstable.data.sample import Sample, Splits, data_root
+from wapstable.data.sample import Sample, Splits, data_root, held_out
 from wapstable.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -38,7 +37,7 @@ CACHE_FORMAT = 1
 # The modules whose code turns a caption line and its image into a sample: a change to them reads every folder again
 # by itself (cache.code_hash).
 READING_CODE = (
-    "wapstable.data.images",
+    "wapstable.data.sources.images",
     "wapstable.data.normalize",
     "wapstable.data.latex",
     "wapstable.data.cache",

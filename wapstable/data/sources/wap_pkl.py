@@ -1,18 +1,20 @@
 """The original WAP data format (data=wap_pkl): a pickled {key: uint8 [C,H,W]} per split and a caption file.
 
 Caption lines are `key<TAB>tok tok tok` (split on any whitespace, as WAP's own reader does); the dictionary is
-a `tok<TAB>index` file read with Vocab.load.
+a `tok<TAB>index` file read with Vocab.load. Split `P` is `offline-P.pkl` with `P_caption.txt` under data.root.
 """
 
 import gzip
 import logging
 import pickle
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from wapstable.data.latex import DataError, check_on_error, on_data_error
-from wapstable.data.sample import Sample
+from wapstable.data.sample import Sample, data_root
+from wapstable.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -137,3 +139,29 @@ def write_wap_split(samples: list[Sample], images_pkl: str | Path, captions_txt:
     with open(images_pkl, "wb") as f:
         pickle.dump(images, f, protocol=pickle.HIGHEST_PROTOCOL)
     Path(captions_txt).write_text("".join(lines), encoding="utf-8")
+
+
+def wap_pkl_splits(cfg_data, which: Sequence[str]) -> dict[str, list[Sample]]:
+    """The splits `which` of data=wap_pkl under data.root: a file that cannot be read is one sentence (UserError),
+    and an empty split names its key."""
+    root = data_root(cfg_data)
+    splits, errors = {}, []
+    for split in which:
+        part = getattr(cfg_data, split)
+        try:
+            samples, errs = load_wap_split(
+                root / f"offline-{part}.pkl", root / f"{part}_caption.txt", cfg_data.on_error
+            )
+        except (ValueError, OSError) as e:
+            if isinstance(e, UserError):
+                raise
+            raise UserError(str(e)) from None
+        splits[split], errors = samples, errors + errs
+    if errors:
+        log.warning("skipped %d bad files or samples (data.on_error=skip)", len(errors))
+    for split, samples in splits.items():
+        if not samples:
+            raise UserError(
+                f"the {split} split of data=wap_pkl under {root} is empty; check data.root and data.{split}"
+            )
+    return splits

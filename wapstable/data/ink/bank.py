@@ -17,17 +17,19 @@ from pathlib import Path
 import numpy as np
 
 from wapstable.data.cache import check_writable, code_hash, read_npz, write_npz
-from wapstable.data.crohme import DICTIONARY, _local, held_out, parse_trace, read_truth
+from wapstable.data.ink.inkml import DICTIONARY, local_tag, parse_trace, read_truth
 from wapstable.data.latex import DataError, normalize_crohme, tokenize_latex
+from wapstable.data.sample import held_out
 
 log = logging.getLogger(__name__)
 
 BANK_FORMAT = 2  # 2: roots (a lone \\sqrt truth) are kept
 # The modules whose code cuts the symbols: a change to them cuts the bank again by itself (cache.code_hash).
 CUTTING_CODE = (
-    "wapstable.data.ink_bank",
-    "wapstable.data.crohme",
+    "wapstable.data.ink.bank",
+    "wapstable.data.ink.inkml",
     "wapstable.data.latex",
+    "wapstable.data.sample",
     "wapstable.data.cache",
 )
 MAX_PER_SYMBOL = 400
@@ -46,19 +48,19 @@ def read_symbols(path: Path) -> tuple[list[str], list[tuple[str, list[np.ndarray
     tokens = read_truth(path, root)
     traces = {}
     for el in root.iter():
-        if _local(el.tag) == "trace":
+        if local_tag(el.tag) == "trace":
             try:
                 traces[el.get("id")] = parse_trace(el.text or "")
             except ValueError:
                 continue
     out = []
     for group in root.iter():
-        if _local(group.tag) != "traceGroup":
+        if local_tag(group.tag) != "traceGroup":
             continue
         truth = next(
-            (c.text for c in group if _local(c.tag) == "annotation" and c.get("type") == "truth"), None
+            (c.text for c in group if local_tag(c.tag) == "annotation" and c.get("type") == "truth"), None
         )
-        refs = [c.get("traceDataRef") for c in group if _local(c.tag) == "traceView"]
+        refs = [c.get("traceDataRef") for c in group if local_tag(c.tag) == "traceView"]
         if not truth or not refs:
             continue
         truth = truth.strip()
