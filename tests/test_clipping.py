@@ -1,12 +1,23 @@
-"""clip_gradients equals torch's clip_grad_norm_/clip_grad_value_ and implements AGC and AutoClip."""
+"""clip_gradients equals torch's clip_grad_norm_/clip_grad_value_ and implements AGC and AutoClip; every rule of
+conf/clip/ builds from its `_target_`, refuses its bad values, backs off sharing its state, and old checkpoints'
+`clip.mode` maps onto it."""
 
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
+from wapstable.config import CONF_DIR
 from wapstable.errors import UserError
 from wapstable.stability import AutoClipHistory, clip_gradients
-from wapstable.stability.clipping import validate_clip_config
+from wapstable.stability.clip import build_clip, builtin_rules, legacy_clip, plan_clip
+
+CLIP_OPTIONS = sorted(p.stem for p in (CONF_DIR / "clip").glob("*.yaml"))
+
+
+def option(name: str, **changes) -> dict:
+    """conf/clip/NAME.yaml as a dict, with `changes` on top."""
+    return {**OmegaConf.to_container(OmegaConf.load(CONF_DIR / "clip" / f"{name}.yaml")), **changes}
 
 
 def random_params(seed=0, scale=10.0):
@@ -103,20 +114,79 @@ def test_nonfinite_norm_is_reported():
     assert not torch.isfinite(clip_gradients(params, "norm", max_norm=1.0))
 
 
-@pytest.mark.parametrize("key,value", [("max_norm", 0.0), ("max_norm", -1.0)])
-def test_bad_thresholds_rejected(key, value):
-    from types import SimpleNamespace
-
-    cfg = SimpleNamespace(
-        mode="norm",
-        max_norm=100.0,
-        norm_type=2.0,
-        value=1.0,
-        factor=0.01,
-        eps=1e-3,
-        percentile=10,
-        history=10,
+@pytest.mark.parametrize("name", CLIP_OPTIONS)
+def test_every_option_builds_its_rule(name):
+    rule = build_clip(option(name))
+    assert rule.name == name and builtin_rules()[name] is type(rule)
+    params = random_params()
+    total, plan = plan_clip(params, rule)
+    assert torch.equal(
+        total, torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=rule.norm_type)
     )
-    setattr(cfg, key, value)
-    with pytest.raises(UserError, match=f"clip.{key}"):
-        validate_clip_config(cfg)
+    assert plan.flag.dtype == torch.bool
+
+
+@pytest.mark.parametrize("name", CLIP_OPTIONS)
+def test_every_threshold_refused_at_zero_and_below(name):
+    """Each option of a rule that must be positive (its numbers but norm_type) is refused at 0 and -1, naming it."""
+    keys = [
+        k
+        for k, v in option(name).items()
+        if k not in ("_target_", "norm_type") and isinstance(v, int | float)
+    ]
+    for key in keys:
+        for bad in (0, -1):
+            with pytest.raises(UserError, match=rf"clip.{key}={bad}"):
+                build_clip(option(name, **{key: bad}))
+
+
+def test_wrong_types_and_unknown_keys_are_one_sentence():
+    with pytest.raises(UserError, match=r"clip.max_norm: .*'big'.*see conf/clip/norm.yaml"):
+        build_clip(option("norm", max_norm="big"))
+    with pytest.raises(UserError, match=r"clip.max_nrom: .*max_nrom"):
+        build_clip(option("norm", max_nrom=3.0))
+    with pytest.raises(UserError, match="clip.norm_type=3.0 is not supported"):
+        build_clip(option("norm", norm_type=3.0))
+    with pytest.raises(UserError, match="clip.percentile=101.0 must lie in"):
+        build_clip(option("autoclip", percentile=101.0))
+    with pytest.raises(UserError, match="clip._target_=no.such.Rule is not an importable class"):
+        build_clip({"_target_": "no.such.Rule"})
+    with pytest.raises(UserError, match="is not a clip rule"):
+        build_clip({"_target_": "collections.OrderedDict"})
+    with pytest.raises(UserError, match="clip names no rule"):
+        build_clip({"max_norm": 3.0})
+
+
+@pytest.mark.parametrize("name", CLIP_OPTIONS)
+def test_backed_off_scales_the_threshold_and_shares_state(name):
+    rule = build_clip(option(name))
+    tight = rule.backed_off(0.5)
+    if rule.threshold_key is None:
+        assert tight is rule and rule.limit() is None
+        return
+    assert tight.limit() == pytest.approx(rule.limit() * 0.5)
+    assert type(tight) is type(rule) and vars(tight).keys() == vars(rule).keys()
+    for key, value in vars(rule).items():
+        if key not in option(name):  # the rule's state: the same object, not a fresh one
+            assert getattr(tight, key) is value
+
+
+def test_autoclip_state_round_trips():
+    rule = build_clip(option("autoclip", history=4))
+    for norm in (1.0, 2.0, 3.0):
+        rule.norms.append(torch.tensor(norm))
+    other = build_clip(option("autoclip", history=4))
+    other.load_state_dict(rule.state_dict())
+    assert other.norms.count == 3 and other.threshold() == rule.threshold()
+
+
+@pytest.mark.parametrize("name", CLIP_OPTIONS)
+def test_an_old_checkpoints_clip_mode_maps_onto_its_rule(name):
+    """The clip section every checkpoint held before the rules: one flat dict of every mode's keys and `mode`."""
+    old = {"mode": name, "max_norm": 7.0, "norm_type": 2.0, "value": 0.5, "factor": 0.02, "eps": 1e-3}
+    old |= {"percentile": 20.0, "history": 50}
+    new = legacy_clip(old)
+    rule = build_clip(new)
+    assert rule.name == name
+    for key in set(new) - {"_target_"}:
+        assert getattr(rule, key) == old[key]

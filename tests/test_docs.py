@@ -97,14 +97,16 @@ def named_keys(text: str) -> set[str]:
 
 
 def missing_keys(text: str) -> list[str]:
-    cfg = compose_config(["data=images"])
-    base = compose_config([])
+    # the default config, and each option of the groups whose options have keys of their own
+    clips = sorted(p.stem for p in (ROOT / "conf" / "clip").glob("*.yaml"))
+    configs = [
+        compose_config([]),
+        compose_config(["data=images"]),
+        *(compose_config([f"clip={c}"]) for c in clips),
+    ]
     absent = object()
     return sorted(
-        k
-        for k in named_keys(text)
-        if OmegaConf.select(base, k, default=absent) is absent
-        and OmegaConf.select(cfg, k, default=absent) is absent
+        k for k in named_keys(text) if all(OmegaConf.select(c, k, default=absent) is absent for c in configs)
     )
 
 

@@ -50,7 +50,7 @@ def test_resume_is_bit_identical(tmp_path, cache_dir, case):
     )
     # The state the resume has to carry is not the one a fresh run starts with, so dropping it shows.
     if case == "autoclip":
-        assert half["guard"]["history"]["count"] == N // 2
+        assert half["guard"]["clip"]["history"]["count"] == N // 2
         assert straight["counters"]["clipped"] > half["counters"]["clipped"]  # clipped after the resume too
     elif case == "spike_window":
         assert len(half["guard"]["spikes"]["losses"]) == N // 2

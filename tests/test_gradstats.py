@@ -10,10 +10,10 @@ from conftest import run_train
 from omegaconf import OmegaConf
 
 from wapstable.cli import grad_report
-from wapstable.config import ClipConfig, StatsConfig
+from wapstable.config import CONF_DIR, StatsConfig
 from wapstable.errors import UserError
 from wapstable.stability import AutoClipHistory
-from wapstable.stability.clipping import clip_options
+from wapstable.stability.clip import build_clip
 from wapstable.stability.gradstats import CSV_NAME, GLOBAL, GradStats, validate_stats_config
 from wapstable.stability.step_guard import Outcome, StepGuard, StepResult
 
@@ -109,10 +109,11 @@ def test_threshold_in_force():
         history.append(torch.tensor(x))
     model = torch.nn.Linear(2, 2)
 
-    def threshold(scale=1.0, **kw):
-        cfg = OmegaConf.structured(ClipConfig(**kw))
-        opts = clip_options(cfg, history, scale=scale)
-        guard = StepGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), clip=cfg.mode, **opts)
+    def threshold(scale=1.0, mode="norm", **kw):
+        rule = build_clip({**OmegaConf.load(CONF_DIR / "clip" / f"{mode}.yaml"), **kw})
+        if mode == "autoclip":
+            rule.norms = history
+        guard = StepGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), clip=rule.backed_off(scale))
         return guard.clip_threshold()
 
     assert threshold(mode="norm", max_norm=8.0) == 8.0

@@ -23,7 +23,7 @@ def snapshot(trainer):
             "model": trainer.model.state_dict(),
             "optimizer": trainer.optimizer.state_dict(),
             "scheduler": trainer.scheduler.state_dict(),
-            "history": trainer.history.state_dict(),
+            "clip": trainer.clip.state_dict(),
             "lr": [g["lr"] for g in trainer.optimizer.param_groups],
         }
     )

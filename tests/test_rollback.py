@@ -219,7 +219,7 @@ def test_a_rollback_restores_the_snapshot_bit_for_bit(tmp_path, cache_dir):
             {
                 "model": t.model.state_dict(),
                 "optimizer": t.optimizer.state_dict(),
-                "history": t.history.state_dict(),
+                "clip": t.clip.state_dict(),
                 "scheduler_steps": t.scheduler.state_dict()["last_epoch"],
             }
         )
@@ -243,7 +243,7 @@ def test_a_rollback_restores_the_snapshot_bit_for_bit(tmp_path, cache_dir):
     for _ in range(event["restored_step"]):
         assert not twin.train_one().skipped
     want = training_state(twin)
-    assert want["scheduler_steps"] == 4 and want["history"]["count"] == 4
+    assert want["scheduler_steps"] == 4 and want["clip"]["history"]["count"] == 4
     for got, group in zip(restored["optimizer"]["param_groups"], want["optimizer"]["param_groups"]):
         assert got.pop("lr") == 0.5 * group.pop("lr")  # the back-off, the one intended difference
     assert_identical(restored, want)

@@ -15,7 +15,7 @@ from torch import nn
 from wapstable.checkpoint import load_checkpoint
 from wapstable.errors import TrainingStopped
 from wapstable.stability import Outcome, StepGuard
-from wapstable.stability.clipping import clip_gradients_
+from wapstable.stability.clip import AutoClipHistory, clip_gradients_
 from wapstable.stability.guard import SpikeDetector
 
 MODES = {
@@ -66,7 +66,7 @@ def test_a_nan_batch_is_skipped_bit_exactly(mode, optim, tmp_path):
     for i, (x, y) in enumerate(batches(nan_at=3)):
         model.train()
         before = everything(model, opt, sched)
-        history_before = guard.history.state_dict()
+        history_before = guard.clip.state_dict()
         result = guard.step(nn.functional.mse_loss(model(x), y), batch=(x, y))
         if i == 3:
             assert (
@@ -75,7 +75,7 @@ def test_a_nan_batch_is_skipped_bit_exactly(mode, optim, tmp_path):
             assert_identical(
                 before, everything(model, opt, sched)
             )  # weights, BatchNorm buffers, moments, schedule
-            assert_identical(history_before, guard.history.state_dict())  # the AutoClip history too
+            assert_identical(history_before, guard.clip.state_dict())  # the AutoClip history too
             assert all(p.grad is None for p in model.parameters())
             saved = load_checkpoint(result.anomaly_path)
             assert torch.isnan(saved["anomaly"]["batch"][0]).any() and saved["step"] == 3
@@ -92,8 +92,6 @@ def test_a_taken_step_equals_the_plain_loop(mode):
     a, b = two_layer(), two_layer()
     opt_a, opt_b = (torch.optim.Adam(m.parameters(), 1e-2) for m in (a, b))
     guard = StepGuard(a, opt_a, clip=mode, **MODES[mode])
-    from wapstable.stability.clipping import AutoClipHistory
-
     history = AutoClipHistory()
     options = {**MODES[mode], "history": history} if mode == "autoclip" else MODES[mode]
     clipped = []
@@ -190,7 +188,7 @@ def test_state_dict_carries_the_budget_and_counts_to_a_new_guard():
     resumed = StepGuard(model, opt, clip="autoclip", max_consecutive_skips=2)
     resumed.load_state_dict(state)
     assert resumed.steps == 4 and resumed.accepted == 3 and resumed.budget.consecutive == 1
-    assert_identical(resumed.history.state_dict(), guard.history.state_dict())
+    assert_identical(resumed.clip.state_dict(), guard.clip.state_dict())
     x, y = batches(1)[0]
     x[0, 0] = float("nan")
     resumed.step(nn.functional.mse_loss(model(x), y))  # the second skip in a row: within the budget of 2
@@ -219,7 +217,7 @@ def guarded_state(model, opt, sched, guard):
     return copy.deepcopy(
         {
             **everything(model, opt, sched),
-            "history": guard.history.state_dict(),
+            "history": guard.clip.state_dict(),
             "spikes": guard.spikes.state_dict() if guard.spikes is not None else None,
             "counters": guard.counters(),
         }

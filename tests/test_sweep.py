@@ -60,7 +60,8 @@ def test_grid_sweep_runs_every_combination_and_is_summarised(tmp_path, cache_dir
     for job in jobs:
         assert (job / "metrics.json").is_file()
         cfg = yaml.safe_load((job / ".hydra" / "config.yaml").read_text())
-        combos.add((cfg["clip"]["mode"], cfg["optim"]["lr"]))
+        choices = yaml.safe_load((job / ".hydra" / "hydra.yaml").read_text())["hydra"]["runtime"]["choices"]
+        combos.add((choices["clip"], cfg["optim"]["lr"]))
     assert combos == {("none", 0.5), ("none", 1.0), ("norm", 0.5), ("norm", 1.0)}
 
     rows, printed = summary_rows(sweep, capsys)
@@ -154,9 +155,22 @@ def test_optuna_grid_runs_every_clip_mode(tmp_path, cache_dir, capsys):
     proc = multirun(args, sweep, cache_dir)
     assert proc.returncode == 0, explain(proc)
     modes = [
-        yaml.safe_load((sweep / j / ".hydra" / "config.yaml").read_text())["clip"]["mode"] for j in "0123"
+        yaml.safe_load((sweep / j / ".hydra" / "hydra.yaml").read_text())["hydra"]["runtime"]["choices"][
+            "clip"
+        ]
+        for j in "0123"
     ]
     assert sorted(modes) == ["inf", "none", "norm", "value"]
+    # each trial got the thresholds its rule has, and no other
+    for j in "0123":
+        clip = yaml.safe_load((sweep / j / ".hydra" / "config.yaml").read_text())["clip"]
+        mode = modes[int(j)]
+        assert (
+            set(clip) - {"_target_"}
+            == {"none": set(), "norm": {"max_norm", "norm_type"}, "inf": {"max_norm"}, "value": {"value"}}[
+                mode
+            ]
+        )
     assert all((sweep / j / "metrics.json").is_file() for j in "0123") and not (sweep / "4").exists()
     result = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
     assert result["trials"] == {"complete": 4, "pruned": 0, "fail": 0}

@@ -20,7 +20,7 @@ CONF_DIR = Path(__file__).parent / "conf"  # config.yaml and one folder per conf
 
 # Keys with a fixed set of values. OmegaConf checks them when a config is composed, loaded from a checkpoint or
 # overridden (`Invalid value 'x', expected one of [...]`, naming the key), so no module checks them again. A value
-# reads as the plain string: `cfg.clip.mode == "norm"`, and checkpoints store strings (`enum_to_str=True`).
+# reads as the plain string: `cfg.data.name == "crohme"`, and checkpoints store strings (`enum_to_str=True`).
 Watcher = StrEnum("Watcher", "vgg dense")
 DataSource = StrEnum("DataSource", "synthetic crohme wap_pkl images")
 OnError = StrEnum("OnError", "fail skip")
@@ -31,7 +31,6 @@ Frequencies = StrEnum("Frequencies", "grammar crohme")
 GlyphSource = StrEnum("GlyphSource", "fonts crohme")
 BucketBy = StrEnum("BucketBy", "size tokens")
 Schedule = StrEnum("Schedule", "constant cosine step")
-ClipMode = StrEnum("ClipMode", "none norm value inf agc autoclip")
 OnBudgetExhausted = StrEnum("OnBudgetExhausted", "stop rollback")
 FaultName = StrEnum("FaultName", "none nan_input inf_loss lr_spike attention_overflow preempt")
 GuideKind = StrEnum("GuideKind", "inside kl")
@@ -228,18 +227,6 @@ class OptimConfig:
 
 
 @dataclass
-class ClipConfig:
-    mode: ClipMode = ClipMode.norm
-    max_norm: float = 100.0
-    norm_type: float = 2.0
-    value: float = 1.0
-    factor: float = 0.01
-    eps: float = 1e-3
-    percentile: float = 10.0
-    history: int = 10000  # grad norms kept for autoclip
-
-
-@dataclass
 class GuardConfig:
     skip_nonfinite: bool = True
     max_consecutive_skips: int = 5
@@ -332,7 +319,12 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    clip: ClipConfig = field(default_factory=ClipConfig)
+    # The clip rule: its `_target_` (a class of wapstable/stability/clip/, or of the user's own) and that rule's
+    # options (conf/clip/NAME.yaml); the rule is a dataclass that types and checks its own options
+    # (stability/clip: build_clip).
+    clip: dict[str, Any] = field(
+        default_factory=lambda: {"_target_": "wapstable.stability.clip.norm.NormClip"}
+    )
     guard: GuardConfig = field(default_factory=GuardConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     stats: StatsConfig = field(default_factory=StatsConfig)
@@ -358,13 +350,12 @@ TINY_OVERRIDES = ["debug=tiny"]
 
 
 def quote_group_options(args: list[str]) -> list[str]:
-    """Quote `inf` where it names a clip mode (`clip=inf`, `clip.mode=inf`): Hydra's override grammar reads a bare
-    `inf` as a float, so `clip=inf` would fail with "Config group override must be a string", and `clip.mode=inf`
-    would not be a ClipMode."""
+    """Quote `inf` where it names a clip mode (`clip=inf`): Hydra's override grammar reads a bare `inf` as a float,
+    so `clip=inf` would fail with "Config group override must be a string"."""
     out = []
     for arg in args:
         key, sep, value = arg.partition("=")
-        if sep and key.lstrip("+~") in ("clip", "clip.mode"):
+        if sep and key.lstrip("+~") == "clip":
             value = re.sub(r"(?<![\w'\"])inf(?![\w'\"])", "'inf'", value)
         out.append(key + sep + value)
     return out
@@ -411,6 +402,10 @@ def checkpoint_config(saved: dict, keys: list[str], source: DictConfig) -> DictC
             for name, opts in loggers.items()
             if opts is not None  # the old schema kept every logger, None where not chosen
         }
+    if isinstance(saved.get("clip"), dict) and "_target_" not in saved["clip"]:  # from before clip._target_
+        from wapstable.stability.clip import legacy_clip
+
+        saved["clip"] = legacy_clip(saved["clip"])
     optim = saved.get("optim")
     if isinstance(optim, dict) and "_target_" not in optim:  # checkpoints from before optim._target_
         saved["optim"] = {**optim, "_target_": LEGACY_OPTIMIZERS.get(optim.get("name"), OptimConfig._target_)}

@@ -186,14 +186,34 @@ class OptunaSearch:
         size = math.prod(len(v) for v in grid.values())
         return instantiate(cfg, search_space=grid), min(self.n_trials, size)
 
+    def declares(self, group: str, option: str, key: str) -> bool:
+        """Whether option `option` of config group `group` (its yaml) has the key `key`."""
+        loaded = self.hydra_context.config_loader.repository.load_config(f"{group}/{option}")
+        return loaded is None or key.split(".")[0] in loaded.config
+
     def trial_overrides(self, trial: optuna.Trial, space: dict, texts: dict, fixed: list[str], info: dict):
-        """A trial's job: its drawn values, the fixed overrides, and the environment that leads it to its study."""
+        """A trial's job: its drawn values, the fixed overrides, and the environment that leads it to its study.
+
+        A key of a group that the trial's option of it does not have (clip.max_norm when the trial draws
+        clip=value: each clip rule has its own keys) is not passed to that trial."""
         drawn = []
         for key, dist in space.items():
             value = suggest(trial, key, dist)
             drawn.append(f"{key}={texts[key][value] if key in texts else override_text(value)}")
+        options = {}  # group -> the option this trial takes, drawn or fixed
+        for line in [*drawn, *fixed]:
+            key, _, text = line.partition("=")
+            if "." not in key and self.is_group(key):
+                options[key.lstrip("+~")] = text.strip("'\"")
+        kept = []
+        for line in [*drawn, *fixed]:
+            key = line.partition("=")[0].lstrip("+~")
+            group, _, rest = key.partition(".")
+            if rest and group in options and not self.declares(group, options[group], rest):
+                continue
+            kept.append(line)
         env = json.dumps({**info, "trial_id": trial._trial_id, "trial": trial.number}, separators=(",", ":"))
-        return [*drawn, *fixed, f"++hydra.job.env_set.{TRIAL_ENV}={override_text(env)}"]
+        return [*kept, f"++hydra.job.env_set.{TRIAL_ENV}={override_text(env)}"]
 
     def sweep(self, arguments: list[str]) -> None:
         sweep_dir = Path(self.config.hydra.sweep.dir)

@@ -47,7 +47,7 @@ from wapstable.data.render.grammar import generate_expressions
 from wapstable.data.render.mathtext import render
 from wapstable.model.attention import CoverageAttention, masked_softmax
 from wapstable.model.loss import forward_loss
-from wapstable.stability.clipping import AutoClipHistory, clip_gradients_, clip_options
+from wapstable.stability.clip import build_clip, plan_clip
 from wapstable.train.loop import Trainer
 
 log = logging.getLogger("wapstable.bench")
@@ -64,7 +64,10 @@ STEP_MODES = {
     "stats/step": ["stats.every=1"],  # guard + statistics on every step; the default interval is derived
     "anomaly": ["stats.every=0", "guard.detect_anomaly=true"],  # guard + torch.autograd.detect_anomaly
 }
-CLIP_MODES = ("none", "norm", "value", "inf", "agc", "autoclip")
+# Every option of conf/clip/ (a new clip mode's yaml joins the table), clip=none first: the others' baseline.
+CLIP_MODES = tuple(
+    sorted((p.stem for p in (CONF_DIR / "clip").glob("*.yaml")), key=lambda m: (m != "none", m))
+)
 # Every step non-finite; no checkpoint inside the step (its write is timed apart).
 SKIP_MODE = [
     "stats.every=0",
@@ -183,7 +186,7 @@ class StepBench:
                 "model": ref.model.state_dict(),
                 "optimizer": ref.optimizer.state_dict(),
                 "scheduler": ref.scheduler.state_dict(),
-                "guard": {"history": AutoClipHistory(self.cfg.clip.history).state_dict()},
+                "guard": {"clip": {}},  # each trainer's rule starts empty (reset)
             }
         )
 
@@ -197,6 +200,7 @@ class StepBench:
     def reset(self, t: Trainer) -> None:
         """Every block starts from the same weights, optimizer state, schedule and empty autoclip history."""
         t.restore_training(self.snapshot)
+        t.clip.load_state_dict(build_clip(t.cfg.clip).state_dict())  # an empty autoclip history
         t.step = 0
         t.model.zero_grad(set_to_none=True)
 
@@ -223,12 +227,11 @@ class StepBench:
     def plain_steps(self, t: Trainer, clip: bool = False) -> None:
         """`t`'s model and optimizer in a plain loop: what a user writes without the guard. `clip=False` is the bare
         loop (no norm, no flag, no sync, no copies); `clip=True` adds `t`'s clipping, as the guard would clip."""
-        options = clip_options(t.cfg.clip, t.history, skip=t.clip_skip)
         for batch in self.batches:
             t.optimizer.zero_grad(set_to_none=True)
             forward_loss(t.model, batch, None, 0, t.cfg.trainer.precision).backward()
             if clip:
-                clip_gradients_(t.model.parameters(), t.cfg.clip.mode, **options)
+                plan_clip(t.model.parameters(), t.clip)[1].apply()
             t.optimizer.step()
             t.scheduler.step()
 
@@ -246,7 +249,7 @@ class StepBench:
 # ---- sections ----
 def bench_steps(sb: StepBench, repeats: int) -> dict:
     """Sections 1, 3 and 5: every step variant in one interleaved rotation, so all ratios share conditions."""
-    clip_default = sb.cfg.clip.mode
+    clip_default = build_clip(sb.cfg.clip).name
     for name, overrides in STEP_MODES.items():
         sb.trainer(name, overrides)
     for mode in CLIP_MODES:

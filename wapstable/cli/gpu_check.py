@@ -193,7 +193,7 @@ def training_state(t: Trainer) -> dict:
             "model": t.model.state_dict(),
             "optimizer": t.optimizer.state_dict(),
             "scheduler": t.scheduler.state_dict(),
-            "history": t.history.state_dict(),
+            "clip": t.clip.state_dict(),
         }
     )
 

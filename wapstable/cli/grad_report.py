@@ -74,11 +74,19 @@ def load_run(run_dir: Path) -> Run:
             layer_norm[li[name], col[step]] = _float(r["grad_norm"])
             layer_bad[li[name], col[step]] = _float(r["nonfinite"])
     clip = "?"
-    config = run_dir / ".hydra" / "config.yaml"
-    if config.is_file():
+    hydra_dir = run_dir / ".hydra"
+    if (hydra_dir / "hydra.yaml").is_file():  # the clip option the run chose (clip=NAME)
         from omegaconf import OmegaConf
 
-        clip = str(OmegaConf.select(OmegaConf.load(config), "clip.mode", default="?"))
+        clip = str(
+            OmegaConf.select(
+                OmegaConf.load(hydra_dir / "hydra.yaml"), "hydra.runtime.choices.clip", default="?"
+            )
+        )
+    if clip == "?" and (hydra_dir / "config.yaml").is_file():  # a run from before the clip rules: clip.mode
+        from omegaconf import OmegaConf
+
+        clip = str(OmegaConf.select(OmegaConf.load(hydra_dir / "config.yaml"), "clip.mode", default="?"))
     g = [r for _, r in glob]
     return Run(
         label=f"{run_dir.resolve().name} (clip={clip})",

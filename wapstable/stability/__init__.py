@@ -3,17 +3,19 @@
 `StepGuard` is the piece to use from any PyTorch loop (see `examples/plain_loop.py`).
 """
 
-from wapstable.stability.clipping import AutoClipHistory, clip_gradients, grad_norm
+from wapstable.stability.clip import AutoClipHistory, ClipRule, build_clip, clip_gradients, grad_norm
 from wapstable.stability.guard import SkipBudget, SpikeDetector
 from wapstable.stability.step_guard import Outcome, StepGuard, StepResult
 
 __all__ = [
     "AutoClipHistory",
+    "ClipRule",
     "Outcome",
     "SkipBudget",
     "SpikeDetector",
     "StepGuard",
     "StepResult",
+    "build_clip",
     "clip_gradients",
     "grad_norm",
 ]

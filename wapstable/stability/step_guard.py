@@ -1,6 +1,7 @@
 """`StepGuard`: one guarded optimizer step for any PyTorch training loop.
 
     guard = StepGuard(model, optimizer, clip="inf", max_norm=2.0, max_consecutive_skips=5, anomaly_dir="anomalies")
+    guard = StepGuard(model, optimizer, clip=NormClip(max_norm=5.0))   # or a clip rule (wapstable.stability.clip)
     for x, y in loader:
         loss = loss_fn(model(x), y)
         result = guard.step(loss, batch=(x, y))   # backward, one finite decision, clip, step or skip
@@ -12,8 +13,8 @@ with one host synchronisation: the loss, the norm, the non-finite flag and the c
 step whose loss or gradients are NaN/Inf (or, with a `SpikeDetector`, a loss or grad-norm spike) is skipped:
 neither the optimizer nor the scheduler is called, BatchNorm's running statistics are put back as they were
 before the forward, and the gradients are zeroed, so parameters, optimizer state, schedule and buffers are
-bit-identical to before. A taken step is clipped in one of six modes (none, norm, value, inf, agc, autoclip) and
-stepped. Skips count against a budget (`max_consecutive_skips`, `max_total_skips`); past it, `step` raises
+bit-identical to before. A taken step is clipped by the clip rule (none, norm, value, inf, agc, autoclip, or one of
+one's own) and stepped. Skips count against a budget (`max_consecutive_skips`, `max_total_skips`); past it, `step` raises
 `TrainingStopped`, or, with `raise_on_exhausted=False`, says so in `StepResult.budget_exhausted` and lets the
 caller decide (the trainer rolls back). Each skip can write an anomaly checkpoint: the model and optimizer state,
 the RNG state from before the forward, the offending batch, and per-layer gradient figures.
@@ -31,7 +32,7 @@ import torch
 
 from wapstable.checkpoint import rng_state, save_checkpoint
 from wapstable.errors import TrainingStopped
-from wapstable.stability.clipping import AutoClipHistory, mode_norm_type, mode_options, plan_clip
+from wapstable.stability.clip import AutoClipHistory, ClipRule, plan_clip, rule_for
 from wapstable.stability.guard import (
     SkipBudget,
     SpikeDetector,
@@ -85,9 +86,10 @@ def to_cpu(batch):
 class StepGuard:
     """Backward, the finite decision, clipping and the optimizer step (or a bit-exact skip), for any model.
 
-    clip: none | norm | value | inf | agc | autoclip, with its threshold: `max_norm` (norm, inf; `norm_type` 1 or 2
-    for norm), `value` (value), `factor`/`eps`/`skip` (agc: parameters left alone, e.g. an output layer),
-    `percentile` (autoclip, over `history`). `scheduler` is stepped after each taken step; `scaler` is a
+    clip: a clip rule (`wapstable.stability.clip`: `NormClip(max_norm=5.0)`, or a rule of one's own), or the name of
+    one, none | norm | value | inf | agc | autoclip, with its threshold as keywords: `max_norm` (norm, inf;
+    `norm_type` 1 or 2 for norm), `value` (value), `factor`/`eps`/`skip` (agc: parameters left alone, e.g. an
+    output layer), `percentile` (autoclip, over `history`). `scheduler` is stepped after each taken step; `scaler` is a
     `torch.amp.GradScaler`. `reduce_flag` (DDP: an all-reduce "any") makes every rank take the same decision, and
     `agree` does the same for a spike seen on one rank. `stats` (a `GradStats`) gets the per-layer figures before
     clipping and after the step. `anomaly_dir` turns on the anomaly checkpoints (`step-N.pt`, at most
@@ -100,7 +102,7 @@ class StepGuard:
         optimizer: torch.optim.Optimizer,
         *,
         scheduler=None,
-        clip: str = "norm",
+        clip: str | ClipRule = "norm",
         max_norm: float = 1.0,
         norm_type: float = 2.0,
         value: float = 1.0,
@@ -125,10 +127,7 @@ class StepGuard:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
-        self.history = history if history is not None else AutoClipHistory()
-        self.clip_mode = clip
-        self.norm_type = mode_norm_type(clip, norm_type)
-        self.clip_options = mode_options(
+        self.clip = rule_for(
             clip,
             max_norm=max_norm,
             norm_type=norm_type,
@@ -137,7 +136,7 @@ class StepGuard:
             eps=eps,
             skip=skip,
             percentile=percentile,
-            history=self.history,
+            history=history,
         )
         self.skip_nonfinite, self.spikes = skip_nonfinite, spikes
         self.budget = SkipBudget(max_consecutive_skips, max_total_skips)
@@ -162,18 +161,19 @@ class StepGuard:
         if self.write_anomaly is not None:
             self.rng_before = rng_state()
 
-    def set_clip(self, **options) -> None:
-        """Change the clip mode's options (a rollback tightens the threshold)."""
-        self.clip_options.update(options)
+    @property
+    def norm_type(self) -> float:
+        """The norm of the total gradient norm the guard computes and reports (the clip rule's)."""
+        return self.clip.norm_type
+
+    def set_clip(self, rule: ClipRule) -> None:
+        """Clip by `rule` from the next step (a rollback's backed-off copy of the rule in force)."""
+        self.clip = rule
 
     def clip_threshold(self) -> float | None:
         """The global-norm threshold in force: max_norm for norm and inf, autoclip's current percentile of the
         norm history (a host sync); None for value, agc and none, which do not compare with the global norm."""
-        if self.clip_mode in ("norm", "inf"):
-            return float(self.clip_options["max_norm"])
-        if self.clip_mode == "autoclip" and self.history.count > 0:
-            return float(self.history.percentile(self.clip_options["percentile"]))
-        return None
+        return self.clip.threshold()
 
     def counters(self) -> dict:
         """How many steps were accepted, clipped and skipped by the GradScaler, and anomaly files written."""
@@ -199,7 +199,7 @@ class StepGuard:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        total_norm, plan = plan_clip(self.params, self.clip_mode, **self.clip_options)
+        total_norm, plan = plan_clip(self.params, self.clip)
         bad = nonfinite_flag(loss, total_norm)
         if self.reduce_flag is not None:
             bad = self.reduce_flag(bad)  # every rank takes the same decision
@@ -239,7 +239,7 @@ class StepGuard:
                 self.scheduler.step()
             if self.spikes is not None:
                 self.spikes.update(loss_value, norm_value)
-            clipped = bool(clipped_value) and self.clip_mode != "none"
+            clipped = bool(clipped_value)
             result = StepResult(step, loss_value, norm_value, clipped=clipped)
             self.budget.record(False)
             self.accepted += 1
@@ -315,7 +315,7 @@ class StepGuard:
             "steps": self.steps,
             "budget": self.budget.state_dict(),
             "spikes": self.spikes.state_dict() if self.spikes is not None else None,
-            "history": self.history.state_dict(),
+            "clip": self.clip.state_dict(),
             "counters": self.counters(),
         }
 
@@ -324,7 +324,8 @@ class StepGuard:
         self.budget.load_state_dict(state["budget"])
         if self.spikes is not None and state.get("spikes") is not None:
             self.spikes.load_state_dict(state["spikes"])
-        self.history.load_state_dict(state["history"])
+        # a state_dict from before the clip rules: AutoClip's history under "history"
+        self.clip.load_state_dict(state["clip"] if "clip" in state else {"history": state.get("history")})
         if "counters" not in state:  # a state_dict of the first release: counts and anomaly_checkpoints apart
             state = {
                 **state,

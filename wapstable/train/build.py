@@ -21,7 +21,7 @@ from wapstable.data.vocab import Vocab
 from wapstable.errors import UserError
 from wapstable.eval.evaluation import check_length_power, check_scales
 from wapstable.model.wap import build_model
-from wapstable.stability.clipping import validate_clip_config
+from wapstable.stability.clip import build_clip
 from wapstable.stability.gradstats import validate_stats_config
 from wapstable.train.loggers import check_logger_config
 
@@ -43,7 +43,7 @@ def validate_config(cfg: DictConfig) -> None:
         raise UserError(f"trainer.max_minutes={t.max_minutes} must be >= 0 (0 = no time limit)")
     if t.precision not in ("32", "bf16", "fp16"):
         raise UserError(f"trainer.precision={t.precision!r} is unknown; use 32, bf16 or fp16")
-    validate_clip_config(cfg.clip)
+    build_clip(cfg.clip)  # the rule checks its own options
     validate_stats_config(cfg.stats)
     check_logger_config(cfg.logger)
     g = cfg.guard

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from wapstable.data.normalize import training_stats
 from wapstable.device import resolve_device
 from wapstable.errors import UserError
-from wapstable.stability.clipping import AutoClipHistory, clip_options, mode_norm_type
+from wapstable.stability.clip import build_clip
 from wapstable.stability.faults import Fault
 from wapstable.stability.gradstats import GradStats
 from wapstable.stability.guard import SpikeDetector
@@ -115,24 +115,22 @@ class Trainer(TrainingStep, RunEvents, TrainingState):
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.trainer.precision == "fp16")
         self.fault = Fault(cfg.fault, self.dist.rank, preemption_signal())
         self.rollback = Rollback(cfg.guard)
-        self.history = AutoClipHistory(cfg.clip.history)
+        self.clip = build_clip(
+            cfg.clip
+        )  # the rule as configured; the guard clips by it, backed off after rollbacks
+        self.clip.bind(self.model)  # AGC leaves the output layer alone
         self.spikes = SpikeDetector(cfg.guard.spike_window, cfg.guard.spike_zscore, cfg.guard.spike_warmup)
-        output_params = set(self.model.output_layer_names())
-        self.clip_skip = [
-            p for n, p in self.model.named_parameters() if n in output_params
-        ]  # agc leaves them
         self.stats = GradStats(  # grad_stats.csv and histograms; only the main rank writes statistics
             cfg.stats,
             self.run_dir if self.dist.is_main else None,
-            norm_type=mode_norm_type(cfg.clip.mode, cfg.clip.norm_type),
+            norm_type=self.clip.norm_type,
         )
         g = cfg.guard
         self.guard = StepGuard(  # the same guard any PyTorch loop can use
             self.model,
             self.optimizer,
             scheduler=self.scheduler,
-            clip=cfg.clip.mode,
-            **clip_options(cfg.clip, self.history, skip=self.clip_skip),
+            clip=self.clip,
             scaler=self.scaler,
             skip_nonfinite=g.skip_nonfinite,
             spikes=self.spikes if g.skip_spikes else None,
@@ -215,7 +213,7 @@ class Trainer(TrainingStep, RunEvents, TrainingState):
             sum(p.numel() for p in self.model.parameters()) / 1e6,
             cfg.optim.name,
             cfg.optim.lr,
-            cfg.clip.mode,
+            self.clip.name,
             self.device,
             cfg.trainer.precision,
             torch.get_num_threads(),

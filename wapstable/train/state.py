@@ -39,7 +39,7 @@ class TrainingState:
             "guard": {
                 "budget": self.budget.state_dict(),
                 "spikes": self.spikes.state_dict(),
-                "history": self.history.state_dict(),
+                "clip": self.clip.state_dict(),
             },
             "rollback": self.rollback.state_dict(),
             "best": self.best._asdict(),
@@ -51,14 +51,15 @@ class TrainingState:
         }
 
     def restore_training(self, state: dict) -> None:
-        """Model, optimizer, schedule, GradScaler and grad-norm history from a state: what resume, a rollback and
+        """Model, optimizer, schedule, GradScaler and the clip rule's state (AutoClip's history) from a state: what resume, a rollback and
         the benchmark's reset have in common."""
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-        self.history.load_state_dict(state["guard"]["history"])
+        guard = state["guard"]  # from before the clip rules: AutoClip's history under "history"
+        self.clip.load_state_dict(guard["clip"] if "clip" in guard else {"history": guard.get("history")})
         self.guard.refresh()  # the buffers as loaded are the ones before the next forward
 
     def load_state(self, state: dict) -> None:

@@ -10,7 +10,6 @@ from wapstable.data.pixel_aug import active, augment_batch
 from wapstable.data.warp import warp_batch
 from wapstable.errors import TrainingStopped
 from wapstable.model.loss import forward_loss
-from wapstable.stability.clipping import clip_options, scaled_threshold
 from wapstable.stability.step_guard import Outcome, StepResult
 
 log = logging.getLogger("wapstable")
@@ -99,8 +98,7 @@ class TrainingStep:
         factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
         for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
             group["lr"] = base * factor
-        opts = clip_options(self.cfg.clip, self.history, skip=self.clip_skip, scale=self.rollback.clip_scale)
-        self.guard.set_clip(**opts)
+        self.guard.set_clip(self.clip.backed_off(self.rollback.clip_scale))
 
     def roll_back(self, reason: str) -> bool:
         """Restore the newest trusted state, back off lr and clip threshold, keep the data stream going."""
@@ -119,7 +117,7 @@ class TrainingStep:
             "source": source,
             "reason": reason,
             "lr": self.optimizer.param_groups[0]["lr"],
-            "clip_threshold": scaled_threshold(self.cfg.clip, self.rollback.clip_scale),
+            "clip_threshold": self.guard.clip.limit(),
             "batches_skipped": self.step + 1 - int(state["step"]),
         }
         self.rollback.record(event)

@@ -1,0 +1,143 @@
+"""A clip mode is one Python file and one yaml: written into a copy of the package (nothing else edited), or kept
+outside it and named by its `_target_` (a config folder on hydra.searchpath), it trains through train.py, its options
+are checked like the package's own, and a checkpoint written before the clip rules resumes."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+from conftest import ROOT, TINY, run_train
+from test_loggers import read_csv
+
+# A rule that scales every gradient by `factor` (< 1: every step is "clipped"); its own option, checked.
+SCALE_RULE = """
+from dataclasses import dataclass
+
+import torch
+
+from wapstable.errors import UserError
+from wapstable.stability.clip.base import ClipPlan, ClipRule
+
+
+@dataclass
+class ScaleClip(ClipRule):
+    factor: float = 0.5
+
+    name = "scale"
+    threshold_key = "factor"
+
+    def __post_init__(self):
+        if not 0 < self.factor <= 1:
+            raise UserError(f"clip.factor={self.factor} must lie in (0, 1] for clip=scale")
+
+    def plan(self, params, grads, total_norm):
+        factor = self.factor
+
+        def apply():
+            torch._foreach_mul_(grads, factor)
+
+        return ClipPlan(torch.tensor(factor < 1.0, device=total_norm.device), apply)
+"""
+
+
+def train(cmd_dir, args, run, cache_dir, env_extra=None):
+    env = {**os.environ, "WAPSTABLE_CACHE": str(cache_dir), **(env_extra or {})}
+    cmd = [sys.executable, "train.py", *TINY, "logger=csv", f"hydra.run.dir={run}", *args]
+    return subprocess.run(cmd, cwd=cmd_dir, env=env, capture_output=True, text=True, timeout=300)
+
+
+def check_the_scale_rule(proc, run, bad):
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "clip scale" in proc.stdout + proc.stderr  # the run's summary line names the rule
+    clipped = read_csv(run / "metrics.csv")["train/clipped"]
+    assert clipped == {1: 1.0, 2: 1.0, 3: 1.0}  # its flag, every step
+    assert bad.returncode == 2, bad.stderr[-3000:]
+    assert "clip.factor=2.0 must lie in (0, 1] for clip=scale" in bad.stdout + bad.stderr
+
+
+def test_a_new_clip_mode_is_one_file_and_one_yaml_in_the_package(tmp_path, cache_dir):
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copytree(
+        ROOT / "wapstable", copy / "wapstable", symlinks=True, ignore=shutil.ignore_patterns("__pycache__")
+    )
+    shutil.copytree(ROOT / "conf", copy / "conf")
+    shutil.copy(ROOT / "train.py", copy / "train.py")
+    (copy / "wapstable" / "stability" / "clip" / "scale.py").write_text(SCALE_RULE)
+    (copy / "conf" / "clip" / "scale.yaml").write_text(
+        "_target_: wapstable.stability.clip.scale.ScaleClip\nfactor: 0.5\n"
+    )
+    env = {"PYTHONPATH": str(copy)}  # the copy's package, not the installed one
+    run = tmp_path / "run"
+    proc = train(copy, ["clip=scale", "clip.factor=0.25"], run, cache_dir, env)
+    bad = train(copy, ["clip=scale", "clip.factor=2"], tmp_path / "bad", cache_dir, env)
+    check_the_scale_rule(proc, run, bad)
+    assert not (tmp_path / "bad" / "checkpoints").exists()
+    # the copy's own list of modes has it (the bench's table, the legacy mapper's names)
+    listed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from wapstable.stability.clip import builtin_rules; print(sorted(builtin_rules()))",
+        ],
+        cwd=copy,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+    )
+    assert "'scale'" in listed.stdout, listed.stderr
+
+
+def test_a_clip_mode_outside_the_package_is_named_by_its_target(tmp_path, cache_dir):
+    code = tmp_path / "mine"
+    code.mkdir()
+    (code / "my_rules.py").write_text(SCALE_RULE)
+    conf = tmp_path / "myconf" / "clip"
+    conf.mkdir(parents=True)
+    (conf / "scale.yaml").write_text("_target_: my_rules.ScaleClip\nfactor: 0.5\n")
+    env = {"PYTHONPATH": str(code)}
+    search = f"hydra.searchpath=[file://{conf.parent}]"
+    run = tmp_path / "run"
+    proc = train(ROOT, [search, "clip=scale"], run, cache_dir, env)
+    bad = train(ROOT, [search, "clip=scale", "clip.factor=2"], tmp_path / "bad", cache_dir, env)
+    check_the_scale_rule(proc, run, bad)
+
+
+def test_a_checkpoint_from_before_the_clip_rules_resumes_with_its_mode(tmp_path, cache_dir):
+    """Every checkpoint before the rules held `clip: {mode: ..., max_norm, norm_type, value, factor, eps, percentile,
+    history}` and the AutoClip history under guard.history: resumed, it clips by the same rule with the same
+    history."""
+    from wapstable.checkpoint import load_checkpoint, save_checkpoint
+
+    run = tmp_path / "run"
+    run_train(
+        ["clip=autoclip", "clip.percentile=20", "trainer.max_steps=2", "trainer.checkpoint_every=2"],
+        run,
+        cache_dir,
+    )
+    last = run / "checkpoints" / "last.pt"
+    state = load_checkpoint(last)
+    assert state["config"]["clip"]["_target_"].endswith("AutoClip")
+    norms = state["guard"].pop("clip")["history"]
+    assert norms["count"] == 2
+    state["guard"]["history"] = norms
+    state["config"]["clip"] = {
+        "mode": "autoclip",
+        "max_norm": 100.0,
+        "norm_type": 2.0,
+        "value": 1.0,
+        "factor": 0.01,
+        "eps": 0.001,
+        "percentile": 20.0,
+        "history": 10000,
+    }
+    save_checkpoint(state, last)
+    run_train(["resume=auto", "trainer.max_steps=4", "trainer.checkpoint_every=4"], run, cache_dir)
+    resumed = load_checkpoint(last)
+    assert resumed["config"]["clip"] == {
+        "_target_": "wapstable.stability.clip.autoclip.AutoClip",
+        "percentile": 20.0,
+        "history": 10000,
+    }
+    assert resumed["guard"]["clip"]["history"]["count"] == 4  # the old history, continued
