@@ -53,6 +53,15 @@ SPIKE_AT_STEP_5 = [
 ]
 
 
+VGG = "wapstable.model.watchers.vgg.VGGWatcher"
+DENSE = "wapstable.model.watchers.dense.DenseWatcher"
+
+
+def vgg(channels, **options) -> dict:
+    """`model.watcher` for the VGG watcher of `channels` and its other `options`."""
+    return {"_target_": VGG, "channels": list(channels), **options}
+
+
 def compose_config(overrides=(), run_dir=None):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=quote_group_options(list(overrides)))

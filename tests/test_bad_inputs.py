@@ -94,7 +94,7 @@ BAD_CONFIG = [
         ["error: guard.snapshot_every and guard.max_rollbacks must be >= 0"],
     ),
     (["guard.lr_backoff=2"], 2, ["error: guard.lr_backoff and guard.clip_backoff must be in (0, 1]"]),
-    (["model.block_convs=[1,2]"], 2, ["error: model.block_convs=[1, 2] must give one count"]),
+    (["model.watcher.block_convs=[1,2]"], 2, ["error: model.watcher.block_convs=[1, 2] must give one count"]),
     (
         ["model.attention.position_features=6"],
         2,

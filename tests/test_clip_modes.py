@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT, TINY, run_train
 from test_loggers import read_csv
 
@@ -89,6 +90,7 @@ def test_a_new_clip_mode_is_one_file_and_one_yaml_in_the_package(tmp_path, cache
     assert "'scale'" in listed.stdout, listed.stderr
 
 
+@pytest.mark.slow  # make test-all; make test keeps the package copy
 def test_a_clip_mode_outside_the_package_is_named_by_its_target(tmp_path, cache_dir):
     code = tmp_path / "mine"
     code.mkdir()

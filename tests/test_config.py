@@ -9,7 +9,7 @@ from hydra.errors import ConfigCompositionException
 from wapstable.stability.clip import build_clip
 
 GROUPS = {
-    "model": ["small", "wap", "densewap"],
+    "model": ["small", "wap", "densewap", "tiny"],
     "data": ["synthetic", "crohme", "wap_pkl", "images"],
     "optim": ["adadelta", "adam", "adam_cosine", "sgd"],
     # every clip rule of conf/clip/, each its own file (tests/test_clip_modes.py: a new one needs no edit here)
@@ -41,7 +41,7 @@ def test_defaults():
     # the default run's recipe (docs/studies/recipes.md): data kept at difficulty 2, rendered at 28 pt
     assert cfg.data.difficulty == 2 and cfg.data.font_size == 28 and cfg.data.bucket_by == "tokens"
     assert cfg.optim.lr == 3e-3 and cfg.optim.schedule == "cosine" and cfg.optim.warmup_steps == 150
-    assert cfg.trainer.max_minutes == 7.5 and list(cfg.model.block_convs) == [1, 1, 2, 2]
+    assert cfg.trainer.max_minutes == 7.5 and list(cfg.model.watcher.block_convs) == [1, 1, 2, 2]
     # WAP's Adadelta is one option away
     ada = compose_config(["optim=adadelta"]).optim
     assert ada.lr == 1.0 and ada.rho == 0.95 and ada.eps == 1e-6 and ada.weight_decay == 1e-4
@@ -112,20 +112,25 @@ def test_experiment_presets(name):
         and cfg.clip.max_norm == 100.0
         and cfg.decode.final_beam_size == 10
     )
-    assert cfg.model.attention.position_features == 0 and not cfg.model.block_convs
+    assert cfg.model.attention.position_features == 0 and not cfg.model.watcher.get("block_convs")
     if name == "wap_crohme":
-        assert cfg.model.name == "wap" and list(cfg.model.channels) == [32, 64, 64, 128]
-        assert cfg.model.convs_per_block == 4 and cfg.model.dropout == 0.5
+        assert cfg.model.name == "wap" and list(cfg.model.watcher.channels) == [32, 64, 64, 128]
+        assert cfg.model.watcher.convs_per_block == 4 and cfg.model.dropout == 0.5
     else:
-        assert cfg.model.name == "densewap" and cfg.model.dense_growth == 24 and cfg.model.dropout == 0.2
+        assert cfg.model.name == "densewap" and cfg.model.watcher.growth == 24 and cfg.model.dropout == 0.2
+        assert cfg.model.watcher.dropout == 0.2
         assert cfg.model.attention.dim == 512 and cfg.model.attention.coverage_kernel == 11
 
 
 def test_paper_sizes():
     wap = compose_config(["model=wap"]).model
-    assert list(wap.channels) == [32, 64, 64, 128] and wap.convs_per_block == 4 and wap.hidden_dim == 256
+    assert (
+        list(wap.watcher.channels) == [32, 64, 64, 128]
+        and wap.watcher.convs_per_block == 4
+        and wap.hidden_dim == 256
+    )
     dense = compose_config(["model=densewap"]).model
-    assert dense.dense_growth == 24 and dense.dense_layers == 16 and dense.dense_compression == 0.5
+    assert dense.watcher.growth == 24 and dense.watcher.layers == 16 and dense.watcher.compression == 0.5
 
 
 def test_unknown_key_rejected():
@@ -160,7 +165,11 @@ def test_help_shows_config():
 
 def test_debug_tiny_is_a_short_run_that_wins_over_a_preset_but_not_the_command_line():
     cfg = compose_config(["debug=tiny"])
-    assert list(cfg.model.channels) == [4, 8, 8, 8] and cfg.data.num_train == 48 and cfg.decode.max_len == 12
+    assert (
+        list(cfg.model.watcher.channels) == [4, 8, 8, 8]
+        and cfg.data.num_train == 48
+        and cfg.decode.max_len == 12
+    )
     assert cfg.trainer.max_steps == 20 and cfg.trainer.max_minutes == 0 and cfg.trainer.threads == 1
     cfg = compose_config(["experiment=synthetic_long", "debug=tiny", "trainer.max_steps=50"])
     assert cfg.data.num_train == 48 and cfg.trainer.max_minutes == 0  # not the preset's 10,000 and 26 min

@@ -6,6 +6,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import vgg
 
 from wapstable.config import AttentionConfig, ModelConfig
 from wapstable.model.decoding import beam_search, greedy_decode
@@ -18,8 +19,7 @@ LABELS = [[3, 1, 4], [2, 5], [5, 5, 2, 1], [7]]
 def tiny_model(seed: int = 0, vocab_size: int = V):
     torch.manual_seed(seed)
     cfg = ModelConfig(
-        channels=[8, 16],
-        convs_per_block=1,
+        watcher=vgg([8, 16], convs_per_block=1),
         embed_dim=16,
         hidden_dim=32,
         attention=AttentionConfig(dim=16, coverage_channels=4, coverage_kernel=3),

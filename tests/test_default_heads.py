@@ -19,7 +19,7 @@ HEADS = [
     "model.attention.guide.weight=1.0",
     "model.symbol_map=3.0",
     "model.symbol_readout=true",
-    "model.pool_last=false",
+    "model.watcher.pool_last=false",
 ]
 HEAD_PARAMS = ("symbol_head.weight",)
 
@@ -137,7 +137,7 @@ def test_default_model_beam_10_finds_the_exhaustive_best():
     from test_decoding import all_sequences, exhaustive_scores
 
     cfg = compose_config([]).model
-    assert cfg.symbol_readout and cfg.symbol_map > 0 and not cfg.pool_last
+    assert cfg.symbol_readout and cfg.symbol_map > 0 and not cfg.watcher.pool_last
     n_tokens, max_len = 3, 2
     seqs = all_sequences(n_tokens, max_len)
     g = torch.Generator().manual_seed(0)

@@ -195,9 +195,9 @@ RUNS = {
     "python train.py model=densewap 'logger=[tensorboard,csv]' hydra.run.dir=outputs/dense": (
         [
             "trainer.max_steps=2",
-            "model.dense_layers=2",
-            "model.dense_blocks=2",
-            "model.dense_init_channels=8",
+            "model.watcher.layers=2",
+            "model.watcher.blocks=2",
+            "model.watcher.init_channels=8",
         ],
         0,
     ),

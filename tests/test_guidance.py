@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, compose_config
+from conftest import TINY, compose_config, vgg
 
 from wapstable.config import AttentionConfig, GuideConfig, ModelConfig
 from wapstable.data import latex
@@ -220,8 +220,7 @@ V = 12
 def tiny_model(weight=0.0, **guide):
     torch.manual_seed(0)
     cfg = ModelConfig(
-        channels=[4, 8, 8, 8],
-        convs_per_block=1,
+        watcher=vgg([4, 8, 8, 8], convs_per_block=1),
         embed_dim=8,
         hidden_dim=16,
         attention=AttentionConfig(

@@ -5,8 +5,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import DENSE, vgg
 
 from wapstable.config import AttentionConfig, ModelConfig
+from wapstable.errors import UserError
 from wapstable.model.attention import CoverageAttention, grid_positions
 from wapstable.model.decoding import beam_search, greedy_decode
 from wapstable.model.wap import build_model
@@ -14,21 +16,25 @@ from wapstable.model.wap import build_model
 V = 11
 
 
+TINY_WATCHERS = {
+    "vgg": vgg([4, 8], convs_per_block=2),
+    "dense": {"_target_": DENSE, "init_channels": 8, "growth": 4, "layers": 2, "blocks": 2},
+}
+
+
 def tiny_cfg(watcher: str, **kw) -> ModelConfig:
+    """A tiny model of `watcher` (vgg, dense, or any _target_); `kw`: the watcher's options or the model's keys."""
     cfg = ModelConfig(
-        watcher=watcher,
-        channels=[4, 8],
-        convs_per_block=2,
-        dense_init_channels=8,
-        dense_growth=4,
-        dense_layers=2,
-        dense_blocks=2,
+        watcher=dict(TINY_WATCHERS.get(watcher, {"_target_": watcher})),
         embed_dim=12,
         hidden_dim=16,
         attention=AttentionConfig(dim=10, coverage_channels=3, coverage_kernel=3),
     )
     for k, v in kw.items():
-        setattr(cfg, k, v)
+        if hasattr(cfg, k):
+            setattr(cfg, k, v)
+        else:
+            cfg.watcher[k] = v
     return cfg
 
 
@@ -182,13 +188,11 @@ def test_names_the_trainer_relies_on():
 
 def test_paper_sizes():
     # WAP (Zhang et al. 2017): 4 blocks x 4 conv3x3, [32, 64, 64, 128], stride 16.
-    wap = build_model(ModelConfig(channels=[32, 64, 64, 128], convs_per_block=4), 111)
+    wap = build_model(ModelConfig(watcher=vgg([32, 64, 64, 128], convs_per_block=4)), 111)
     assert (wap.watcher.out_channels, wap.watcher.stride) == (128, 16)
     # DenseWAP (Zhang et al. 2018): 48 ch stem, 3 blocks x 16 layers, growth 24, compression 0.5 -> 684, stride 16.
-    cfg = ModelConfig(
-        watcher="dense", dense_init_channels=48, dense_growth=24, dense_layers=16, dense_blocks=3
-    )
-    cfg.dense_compression, cfg.dropout = 0.5, 0.2
+    watcher = {"_target_": DENSE, "init_channels": 48, "growth": 24, "layers": 16, "blocks": 3}
+    cfg = ModelConfig(watcher={**watcher, "compression": 0.5, "dropout": 0.2}, dropout=0.2)
     dense = build_model(cfg, 111).eval()
     assert (dense.watcher.out_channels, dense.watcher.stride) == (684, 16)
     with torch.no_grad():
@@ -225,14 +229,20 @@ def test_pool_last_false_halves_the_stride_and_keeps_padding_invisible(size):
 
 
 def test_bad_config_names_the_key():
-    with pytest.raises(ValueError, match="model.block_convs"):
+    with pytest.raises(UserError, match="model.watcher.block_convs"):
         build_model(tiny_cfg("vgg", block_convs=[1, 2, 3]), V)
-    with pytest.raises(ValueError, match="model.watcher"):
+    with pytest.raises(UserError, match="model.watcher._target_=resnet is not an importable class"):
         build_model(tiny_cfg("resnet"), V)
+    with pytest.raises(UserError, match="model.watcher.growht"):
+        build_model(tiny_cfg("dense", growht=3), V)
+    with pytest.raises(UserError, match="model.watcher.channels"):
+        build_model(tiny_cfg("vgg", channels="wide"), V)
+    with pytest.raises(UserError, match="does not declare its out_channels and stride"):
+        build_model(tiny_cfg("torch.nn.Identity"), V)
     with pytest.raises(ValueError, match="model.embed_dim"):
         build_model(tiny_cfg("vgg", embed_dim=13), V)
     for smoothing in (-0.1, 1.0):
-        with pytest.raises(ValueError, match="model.label_smoothing"):
+        with pytest.raises(UserError, match="model.label_smoothing"):
             build_model(tiny_cfg("vgg", label_smoothing=smoothing), V)
 
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY, compose_config
+from conftest import TINY, compose_config, vgg
 
 from wapstable.config import AttentionConfig, ModelConfig
 from wapstable.data.batches import Batch
@@ -65,8 +65,7 @@ def test_images_without_boxes_and_padded_cells_add_nothing():
 def tiny_model(symbol_map=0.0, counting=0.0):
     torch.manual_seed(0)
     cfg = ModelConfig(
-        channels=[4, 8, 8, 8],
-        convs_per_block=1,
+        watcher=vgg([4, 8, 8, 8], convs_per_block=1),
         embed_dim=8,
         hidden_dim=16,
         counting=counting,
@@ -224,7 +223,7 @@ def test_the_finer_grid_readout_and_smoothing_run_end_to_end_through_train_py(tm
 
     run = tmp_path / "run"
     opts = [
-        "model.pool_last=false",
+        "model.watcher.pool_last=false",
         "model.symbol_map=1",
         "model.symbol_readout=true",
         "model.label_smoothing=0.1",
@@ -240,7 +239,9 @@ def test_the_finer_grid_readout_and_smoothing_run_end_to_end_through_train_py(tm
         ckpt
     )  # the checkpoint's own config rebuilds the same model, its last pool left out
     assert model.watcher.stride == 8 and model.symbol_readout and model.label_smoothing == 0.1
-    assert model.watcher.stride == 2 ** (len(load_checkpoint(ckpt)["config"]["model"]["channels"]) - 1)
+    assert model.watcher.stride == 2 ** (
+        len(load_checkpoint(ckpt)["config"]["model"]["watcher"]["channels"]) - 1
+    )
     # evaluate.py decodes with the readout, as the run's final test did: the same figures
     proc = python_run(
         [sys.executable, str(ROOT / "scripts" / "evaluate.py"), str(ckpt), "trainer.device=cpu"]

@@ -21,7 +21,6 @@ CONF_DIR = Path(__file__).parent / "conf"  # config.yaml and one folder per conf
 # Keys with a fixed set of values. OmegaConf checks them when a config is composed, loaded from a checkpoint or
 # overridden (`Invalid value 'x', expected one of [...]`, naming the key), so no module checks them again. A value
 # reads as the plain string: `cfg.data.name == "crohme"`, and checkpoints store strings (`enum_to_str=True`).
-Watcher = StrEnum("Watcher", "vgg dense")
 DataSource = StrEnum("DataSource", "synthetic crohme wap_pkl images")
 OnError = StrEnum("OnError", "fail skip")
 InkScale = StrEnum("InkScale", "height symbol")
@@ -65,19 +64,11 @@ class AttentionConfig:
 @dataclass
 class ModelConfig:
     name: str = "small"
-    watcher: Watcher = Watcher.vgg
-    # VGG-FCN watcher: len(channels) blocks of `convs_per_block` conv3x3 + BN + ReLU, then 2x2 max-pool.
-    channels: list[int] = field(default_factory=lambda: [16, 32, 48, 64])
-    convs_per_block: int = 2
-    block_convs: list[int] = field(default_factory=list)  # convs in each block; empty = convs_per_block each
-    # false: no pool after the last block, annotations at half the stride (8 for 4 blocks)
-    pool_last: bool = True
-    # DenseNet watcher (DenseWAP): conv7x7/2 + max-pool, dense blocks of bottleneck layers, transitions.
-    dense_init_channels: int = 48
-    dense_growth: int = 24
-    dense_layers: int = 16
-    dense_blocks: int = 3
-    dense_compression: float = 0.5
+    # The encoder: its `_target_` (a watcher class of wapstable/model/watchers/, or of the user's own) and that
+    # watcher's options (its `Options` dataclass types them): conf/model/NAME.yaml.
+    watcher: dict[str, Any] = field(
+        default_factory=lambda: {"_target_": "wapstable.model.watchers.vgg.VGGWatcher"}
+    )
     embed_dim: int = 64
     hidden_dim: int = 128
     dropout: float = 0.0
@@ -402,6 +393,10 @@ def checkpoint_config(saved: dict, keys: list[str], source: DictConfig) -> DictC
             for name, opts in loggers.items()
             if opts is not None  # the old schema kept every logger, None where not chosen
         }
+    if isinstance(saved.get("model"), dict) and not isinstance(saved["model"].get("watcher", {}), dict):
+        from wapstable.model.watchers import legacy_watcher  # from before model.watcher._target_
+
+        saved["model"] = legacy_watcher(saved["model"])
     if isinstance(saved.get("clip"), dict) and "_target_" not in saved["clip"]:  # from before clip._target_
         from wapstable.stability.clip import legacy_clip
 

@@ -74,7 +74,7 @@ COMMON = ["trainer.progress=false", "stats.every=0", "data.curriculum_epochs=0"]
 # The full check keeps the config's model, image and batch sizes but renders only a few hundred images.
 FULL_DATA = ["data.num_train=256", "data.num_valid=8", "data.num_test=8"]
 # --quick: debug=tiny, and a DenseNet watcher of the same shape but 2 layers per block.
-QUICK_DENSE = ["model.dense_init_channels=8", "model.dense_growth=8", "model.dense_layers=2"]
+QUICK_DENSE = ["model.watcher.init_channels=8", "model.watcher.growth=8", "model.watcher.layers=2"]
 SIZES = {  # normal steps before the fault, counted steps for the syncs, timed steps on the device and the CPU
     "quick": dict(normal=2, sync_steps=3, warmup=1, timed=3, cpu_timed=3),
     "full": dict(normal=3, sync_steps=5, warmup=2, timed=20, cpu_timed=4),
@@ -579,7 +579,7 @@ def precision_skip(device: torch.device, precision: str) -> str | None:
 def check_model(ctx: Check, rows: list[Row], model: str) -> None:
     overrides = [] if model == "default" else [f"model={model}"]
     cfg = ctx.compose(overrides)
-    if ctx.quick and cfg.model.watcher == "dense":
+    if ctx.quick and cfg.model.watcher._target_.endswith(".DenseWatcher"):
         overrides += QUICK_DENSE
     label = f"{cfg.model.name} (default)" if model == "default" else cfg.model.name
     for precision in PRECISIONS:

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
 from wapstable.checkpoint import load_checkpoint
+from wapstable.config import Config, checkpoint_config
 from wapstable.data.batches import collate, make_batches
 from wapstable.data.normalize import InkStats, normalize, read_image  # noqa: F401 (read_image: the image-file API)
 from wapstable.data.sample import Sample
@@ -42,7 +43,13 @@ def load_model(
             f"{ckpt_path} has no model, vocabulary or config; give a checkpoint written by training"
         )
     vocab = Vocab(list(state["vocab"]))
-    cfg = OmegaConf.create(state["config"])
+    try:  # read as a resumed run reads it: onto this version's schema, older keys mapped
+        cfg = checkpoint_config(dict(state["config"]), [], OmegaConf.structured(Config))
+    except Exception as e:  # noqa: BLE001  (OmegaConf's errors, or a config of another program)
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(
+            f"{ckpt_path}: its config does not fit this version's ({first}); give a checkpoint written by train.py"
+        ) from None
     model = build_model(cfg.model, len(vocab))
     try:
         model.load_state_dict(state["model"])

@@ -16,121 +16,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from wapstable.errors import UserError
 from wapstable.model.attention import CoverageAttention
-
-
-def _pool_mask(mask: Tensor) -> Tensor:
-    """The mask after a 2x2 ceil-mode pool: a cell is valid if any of its pixels is. (B, 1, H, W) -> (B, 1, h, w)"""
-    return F.max_pool2d(mask, 2, ceil_mode=True)
-
-
-def _masked_avg_pool(x: Tensor, mask: Tensor) -> Tensor:
-    """2x2 average over valid pixels only, so a border cell half in the padding averages what the image alone has."""
-    total = F.avg_pool2d(x * mask, 2, ceil_mode=True, divisor_override=1)  # (B, C, h, w)
-    count = F.avg_pool2d(mask, 2, ceil_mode=True, divisor_override=1)  # (B, 1, h, w)
-    return total / count.clamp_min(1.0)
-
-
-class VGGWatcher(nn.Module):
-    """WAP's VGG-FCN watcher: blocks of conv3x3 + BN + ReLU, a 2x2 max-pool after each block."""
-
-    def __init__(self, channels: list[int], convs_per_block: int | list[int], pool_last: bool = True):
-        super().__init__()
-        per_block = [convs_per_block] * len(channels) if isinstance(convs_per_block, int) else convs_per_block
-        if len(per_block) != len(channels) or min(per_block, default=1) < 1:
-            raise ValueError(
-                f"model.block_convs={list(per_block)} must give one count of at least 1 per block of "
-                f"model.channels={list(channels)}"
-            )
-        self.blocks = nn.ModuleList()
-        cin = 1
-        for cout, n in zip(channels, per_block):
-            layers = nn.ModuleList()
-            for _ in range(n):
-                # No conv bias: the BN right after has its own.
-                layers.append(
-                    nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout))
-                )
-                cin = cout
-            self.blocks.append(layers)
-        self.out_channels = cin
-        # Without the last block's pool the annotations are twice as fine (stride 8 for 4 blocks), for small symbols.
-        self.pool_last = pool_last
-        self.stride = 2 ** (len(channels) - (0 if pool_last else 1))
-
-    def forward(self, x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-        """(B, 1, H, W) image and mask -> (B, C, h, w) features and (B, 1, h, w) mask."""
-        for i, block in enumerate(self.blocks):
-            for layer in block:
-                x = F.relu(layer(x)) * mask
-            if i == len(self.blocks) - 1 and not self.pool_last:
-                break
-            # Post-ReLU values are >= 0, so the zeroed padding never wins the max.
-            x = F.max_pool2d(x, 2, ceil_mode=True)
-            mask = _pool_mask(mask)
-        return x, mask
-
-
-class DenseLayer(nn.Module):
-    """DenseNet-BC bottleneck layer: BN-ReLU-conv1x1(4k)-BN-ReLU-conv3x3(k), its k maps appended to the input."""
-
-    def __init__(self, cin: int, growth: int, dropout: float):
-        super().__init__()
-        self.norm1 = nn.BatchNorm2d(cin)
-        self.conv1 = nn.Conv2d(cin, 4 * growth, 1, bias=False)
-        self.norm2 = nn.BatchNorm2d(4 * growth)
-        self.conv2 = nn.Conv2d(4 * growth, growth, 3, padding=1, bias=False)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
-        y = self.conv1(F.relu(self.norm1(x)))  # (B, 4k, h, w); 1x1, so padding leaks nowhere yet
-        y = self.conv2(F.relu(self.norm2(y)) * mask)  # (B, k, h, w)
-        return torch.cat([x, self.drop(y) * mask], 1)
-
-
-class DenseWatcher(nn.Module):
-    """DenseWAP's watcher (Zhang et al. 2018): conv7x7/2 + max-pool, dense blocks, transitions between them."""
-
-    def __init__(
-        self, init_channels: int, growth: int, layers: int, blocks: int, compression: float, dropout: float
-    ):
-        super().__init__()
-        self.stem = nn.Conv2d(1, init_channels, 7, stride=2, padding=3, bias=False)
-        self.stem_norm = nn.BatchNorm2d(init_channels)
-        self.blocks = nn.ModuleList()
-        self.transitions = nn.ModuleList()
-        c = init_channels
-        for b in range(blocks):
-            block = nn.ModuleList()
-            for _ in range(layers):
-                block.append(DenseLayer(c, growth, dropout))
-                c += growth
-            self.blocks.append(block)
-            if b < blocks - 1:
-                cout = int(c * compression)
-                self.transitions.append(
-                    nn.Sequential(nn.BatchNorm2d(c), nn.ReLU(), nn.Conv2d(c, cout, 1, bias=False))
-                )
-                c = cout
-        # A final BN + ReLU as torchvision's DenseNet (norm5): the concatenated maps are otherwise unnormalised.
-        self.out_norm = nn.BatchNorm2d(c)
-        self.out_channels = c  # paper sizes: 48 + 16*24 = 432 -> 216 + 384 = 600 -> 300 + 384 = 684
-        self.stride = 4 * 2 ** (blocks - 1)  # stem conv /2, max-pool /2, one avg-pool per transition
-
-    def forward(self, x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-        """(B, 1, H, W) image and mask -> (B, C, h, w) features and (B, 1, h, w) mask."""
-        # Output j of the stride-2 conv is centred on input 2j, so it is valid where that pixel is.
-        mask = mask[:, :, ::2, ::2]
-        x = F.relu(self.stem_norm(self.stem(x))) * mask
-        x = F.max_pool2d(x, 2, ceil_mode=True)
-        mask = _pool_mask(mask)
-        for b, block in enumerate(self.blocks):
-            for layer in block:
-                x = layer(x, mask)
-            if b < len(self.transitions):
-                x = _masked_avg_pool(self.transitions[b](x), mask)
-                mask = _pool_mask(mask)
-        return F.relu(self.out_norm(x)) * mask, mask
+from wapstable.model.watchers import build_watcher
 
 
 @dataclass
@@ -185,7 +73,7 @@ class Parser(nn.Module):
             A.coverage_channels,
             A.coverage_kernel,
             A.stable,
-            getattr(A, "position_features", 0),  # absent from older checkpoints' configs
+            A.position_features,
         )
         self.gru2 = nn.GRUCell(feat_dim, H)
         # WAP's readout is Linear(h) + Linear(emb) + Linear(context): one Linear over the concatenation is the same.
@@ -382,50 +270,29 @@ class WAP(nn.Module):
         return (logits, counts) if with_counts else logits
 
 
-def vgg_watcher(c) -> VGGWatcher:
-    block_convs = list(getattr(c, "block_convs", None) or [])  # absent from older checkpoints' configs
-    pool_last = bool(getattr(c, "pool_last", True))  # absent from older checkpoints' configs
-    return VGGWatcher(list(c.channels), block_convs or c.convs_per_block, pool_last)
-
-
-def dense_watcher(c) -> DenseWatcher:
-    return DenseWatcher(
-        c.dense_init_channels, c.dense_growth, c.dense_layers, c.dense_blocks, c.dense_compression, c.dropout
-    )
-
-
-# model.watcher -> the encoder it builds (the schema's Watcher Enum lists the same names).
-WATCHERS = {"vgg": vgg_watcher, "dense": dense_watcher}
-
-
 def build_model(cfg_model, vocab_size: int) -> WAP:
-    """The WAP of `cfg_model` (a ModelConfig) for a vocabulary of `vocab_size` tokens (`<eol>` = 0)."""
+    """The WAP of `cfg_model` (a ModelConfig) for a vocabulary of `vocab_size` tokens (`<eol>` = 0): its watcher built
+    from `model.watcher._target_`, the parser and the heads from the rest."""
     c = cfg_model
-    if c.watcher not in WATCHERS:  # only a config that skipped the schema gets here
-        raise ValueError(f"model.watcher must be one of {', '.join(WATCHERS)} (got {c.watcher!r})")
-    watcher = WATCHERS[c.watcher](c)
-    counting = float(getattr(c, "counting", 0.0) or 0.0)  # absent from older checkpoints' configs
-    if counting < 0:
-        raise ValueError(f"model.counting={counting} must be >= 0 (0 turns the counting loss off)")
-    g = getattr(c.attention, "guide", None)  # absent from older checkpoints' configs
+    watcher = build_watcher(c.watcher)
+    for key in ("counting", "symbol_map"):
+        if getattr(c, key) < 0:
+            raise UserError(f"model.{key}={getattr(c, key)} must be >= 0 (0 turns it off)")
+    if not 0 <= c.label_smoothing < 1:
+        raise UserError(f"model.label_smoothing={c.label_smoothing} must be in [0, 1) (0 turns it off)")
+    g = c.attention.guide
     guide = None
-    if g is not None and float(g.weight) > 0:
+    if float(g.weight) > 0:
         guide = dict(
             weight=float(g.weight), kind=str(g.kind), fade_start=int(g.fade_start), fade_end=int(g.fade_end)
         )
-    symbol_map = float(getattr(c, "symbol_map", 0.0) or 0.0)  # absent from older checkpoints' configs
-    if symbol_map < 0:
-        raise ValueError(f"model.symbol_map={symbol_map} must be >= 0 (0 turns the symbol map off)")
-    smoothing = float(getattr(c, "label_smoothing", 0.0) or 0.0)  # absent from older checkpoints' configs
-    if not 0 <= smoothing < 1:
-        raise ValueError(f"model.label_smoothing={smoothing} must be in [0, 1) (0 turns it off)")
     return WAP(
         watcher,
         Parser(c, watcher.out_channels, vocab_size),
         vocab_size,
-        counting=counting,
+        counting=float(c.counting),
         guide=guide,
-        symbol_map=symbol_map,
-        label_smoothing=smoothing,
-        symbol_readout=bool(getattr(c, "symbol_readout", False)),  # absent from older checkpoints' configs
+        symbol_map=float(c.symbol_map),
+        label_smoothing=float(c.label_smoothing),
+        symbol_readout=bool(c.symbol_readout),
     )

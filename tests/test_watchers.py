@@ -1,0 +1,141 @@
+"""A watcher is one Python file and one yaml under conf/model/: written into a copy of the package (nothing else
+edited), or kept outside it and named by its `_target_` (a config folder on hydra.searchpath), it trains through
+train.py and its checkpoint reads back through evaluate.py's loader; its options are checked like the package's own;
+a checkpoint written before the watchers were `_target_`s resumes and loads."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, TINY, run_train
+
+# Strided 3x3 convs, `layers` of them, each halving the grid; its own options, checked by its own Options.
+STRIDED = """
+from dataclasses import dataclass
+
+import torch.nn as nn
+import torch.nn.functional as F
+
+from wapstable.errors import UserError
+
+
+class StridedWatcher(nn.Module):
+    @dataclass
+    class Options:
+        width: int = 8
+        layers: int = 3
+
+    def __init__(self, width: int = 8, layers: int = 3):
+        super().__init__()
+        if layers < 1:
+            raise UserError(f"model.watcher.layers={layers} must be at least 1")
+        self.convs = nn.ModuleList(nn.Conv2d(1 if i == 0 else width, width, 3, stride=2, padding=1) for i in range(layers))
+        self.out_channels, self.stride = width, 2**layers
+
+    def forward(self, x, mask):
+        for conv in self.convs:
+            mask = mask[:, :, ::2, ::2]
+            x = F.relu(conv(x)) * mask
+        return x, mask
+"""
+MODEL_YAML = "name: strided\nwatcher:\n  _target_: {target}\n  width: 8\n  layers: 3\n"
+# evaluate.py's loader rebuilds the model from the checkpoint's own config
+LOADED = "from wapstable.eval.evaluation import load_model; m = load_model(sys.argv[1])[0].watcher; print(type(m).__name__, m.stride, m.out_channels)"
+
+
+def train(cmd_dir, args, run, cache_dir, env_extra):
+    env = {**os.environ, "WAPSTABLE_CACHE": str(cache_dir), **env_extra}
+    cmd = [sys.executable, "train.py", *TINY, f"hydra.run.dir={run}", *args]
+    return subprocess.run(cmd, cwd=cmd_dir, env=env, capture_output=True, text=True, timeout=300)
+
+
+def loaded(cmd_dir, checkpoint, env_extra) -> str:
+    env = {**os.environ, **env_extra}
+    code = f"import sys; {LOADED}"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(checkpoint)], cwd=cmd_dir, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip()
+
+
+def check_the_strided_watcher(cmd_dir, tmp_path, cache_dir, args, env, types=True):
+    run = tmp_path / "run"
+    proc = train(cmd_dir, ["model=strided", "model.watcher.layers=2", *args], run, cache_dir, env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "model strided" in proc.stdout + proc.stderr
+    assert loaded(cmd_dir, run / "checkpoints" / "best.pt", env) == "StridedWatcher 4 8"
+    bad = tmp_path / "bad"
+    proc = train(cmd_dir, ["model=strided", "model.watcher.layers=0", *args], bad, cache_dir, env)
+    assert proc.returncode == 2 and "model.watcher.layers=0 must be at least 1" in proc.stdout + proc.stderr
+    assert not (bad / "checkpoints").exists()
+    if not types:
+        return
+    proc = train(cmd_dir, ["model=strided", "model.watcher.width=wide", *args], bad, cache_dir, env)
+    assert (
+        proc.returncode == 2
+        and "model.watcher.width:" in proc.stdout + proc.stderr
+        and "wide" in proc.stdout + proc.stderr
+    )
+
+
+def test_a_new_watcher_is_one_file_and_one_yaml_in_the_package(tmp_path, cache_dir):
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copytree(
+        ROOT / "wapstable", copy / "wapstable", symlinks=True, ignore=shutil.ignore_patterns("__pycache__")
+    )
+    shutil.copytree(ROOT / "conf", copy / "conf")
+    shutil.copy(ROOT / "train.py", copy / "train.py")
+    (copy / "wapstable" / "model" / "watchers" / "strided.py").write_text(STRIDED)
+    target = "wapstable.model.watchers.strided.StridedWatcher"
+    (copy / "conf" / "model" / "strided.yaml").write_text(MODEL_YAML.format(target=target))
+    check_the_strided_watcher(copy, tmp_path, cache_dir, [], {"PYTHONPATH": str(copy)}, types=False)
+
+
+@pytest.mark.slow  # make test-all; make test keeps the package copy
+def test_a_watcher_outside_the_package_is_named_by_its_target(tmp_path, cache_dir):
+    code = tmp_path / "mine"
+    code.mkdir()
+    (code / "my_watchers.py").write_text(STRIDED)
+    conf = tmp_path / "myconf" / "model"
+    conf.mkdir(parents=True)
+    (conf / "strided.yaml").write_text(MODEL_YAML.format(target="my_watchers.StridedWatcher"))
+    search = f"hydra.searchpath=[file://{conf.parent}]"
+    check_the_strided_watcher(ROOT, tmp_path, cache_dir, [search], {"PYTHONPATH": str(code)})
+
+
+def test_a_checkpoint_from_before_the_watcher_targets_resumes_and_loads(tmp_path, cache_dir):
+    """Every checkpoint before held `model.watcher: vgg` (or dense) and the watchers' keys flat in `model`."""
+    from wapstable.checkpoint import load_checkpoint, save_checkpoint
+    from wapstable.eval.evaluation import load_model
+
+    run = tmp_path / "run"
+    run_train(["trainer.max_steps=2", "trainer.checkpoint_every=2", "trainer.eval_every=2"], run, cache_dir)
+    for name in ("last.pt", "best.pt"):
+        path = run / "checkpoints" / name
+        state = load_checkpoint(path)
+        model = state["config"]["model"]
+        watcher = model.pop("watcher")
+        assert watcher == {
+            "_target_": "wapstable.model.watchers.vgg.VGGWatcher",
+            "channels": [4, 8, 8, 8],
+            "convs_per_block": 1,
+            "block_convs": [],
+            "pool_last": True,
+        }
+        model |= {k: v for k, v in watcher.items() if k != "_target_"}
+        model |= {"watcher": "vgg", "dense_init_channels": 48, "dense_growth": 24, "dense_layers": 16}
+        model |= {"dense_blocks": 3, "dense_compression": 0.5}
+        save_checkpoint(state, path)
+    watcher = load_model(run / "checkpoints" / "best.pt")[0].watcher
+    assert type(watcher).__name__ == "VGGWatcher" and watcher.stride == 16 and watcher.out_channels == 8
+    run_train(["resume=auto", "trainer.max_steps=4", "trainer.checkpoint_every=4"], run, cache_dir)
+    assert load_checkpoint(run / "checkpoints" / "last.pt")["config"]["model"]["watcher"]["channels"] == [
+        4,
+        8,
+        8,
+        8,
+    ]
