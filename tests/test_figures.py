@@ -8,7 +8,7 @@ import pytest
 from conftest import ROOT, python_run
 from PIL import Image
 
-from wapstable.cli import figures
+from wapstable.cli import figures, figures_data
 from wapstable.errors import UserError
 
 
@@ -124,5 +124,5 @@ def test_bad_arguments_are_one_sentence_and_exit_2_before_anything_is_drawn(tmp_
 def test_images_figure_without_the_wap_data(tmp_path):
     """images.png is drawn without the WAP data too (its stand-in bitmap), as a small palette PNG; that the three
     images normalise to the same ink is test_images.py's."""
-    path = figures.images(tmp_path)
+    path = figures_data.images(tmp_path)
     assert_png(path)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import ROOT, python_run
 
-from wapstable.cli import gpu_check
+from wapstable.cli import gpu_check, gpu_checks
 from wapstable.errors import UserError
 from wapstable.stability.step_guard import StepGuard
 
@@ -149,7 +149,7 @@ def test_a_second_host_sync_per_step_fails(cache_dir, monkeypatch, capsys):
 
 def test_a_counter_that_counts_nothing_fails(cache_dir, monkeypatch, capsys):
     """0 syncs per step is not a pass: the guard's own read is one, so a counter that sees none is broken."""
-    monkeypatch.setattr(gpu_check.SyncCounter, "_tensor_reads", lambda self: contextlib.nullcontext())
+    monkeypatch.setattr(gpu_checks.SyncCounter, "_tensor_reads", lambda self: contextlib.nullcontext())
     assert gpu_check.main([*QUICK, "--models", "default", "--cache-dir", str(cache_dir)]) == 1
     rows = table(capsys.readouterr().out)
     for precision in PRECISIONS:
@@ -161,7 +161,7 @@ def test_a_counter_that_counts_nothing_fails(cache_dir, monkeypatch, capsys):
 
 def test_the_counter_counts_a_host_read():
     """The CPU counter sees a read of a tensor's value, with the line that made it, and nothing else."""
-    with gpu_check.SyncCounter(cuda=False).counting() as counter:
+    with gpu_checks.SyncCounter(cuda=False).counting() as counter:
         x = torch.ones(3) * 2  # work on the tensor, no read
         line = sys._getframe().f_lineno + 1
         value = x.sum().item()
@@ -198,8 +198,8 @@ def test_gpu_check_on_cuda(cache_dir):
 def test_the_cuda_counter_counts_a_sync():
     """set_sync_debug_mode's warnings are counted: a read of a CUDA tensor's value is at least one sync, device work
     alone none."""
-    with gpu_check.SyncCounter(cuda=True).counting() as idle:
+    with gpu_checks.SyncCounter(cuda=True).counting() as idle:
         x = torch.ones(3, device="cuda") * 2
-    with gpu_check.SyncCounter(cuda=True).counting() as read:
+    with gpu_checks.SyncCounter(cuda=True).counting() as read:
         value = x.sum().item()
     assert idle.total == 0 and read.total >= 1 and value == 6.0

@@ -675,7 +675,7 @@ def test_make_figures_draws_handwriting_beside_real_ink(tmp_path, monkeypatch):
     from test_figures import assert_png
     from test_guidance import INKML
 
-    from wapstable.cli import figures
+    from wapstable.cli import figures, figures_data
 
     (tmp_path / "ink").mkdir()
     (tmp_path / "ink" / "a.inkml").write_text(INKML)  # a file whose traceGroups give every symbol's box
@@ -683,7 +683,7 @@ def test_make_figures_draws_handwriting_beside_real_ink(tmp_path, monkeypatch):
     assert figures.main(["--only", "handwriting", "--out", str(out), "--crohme", str(tmp_path / "ink")]) == 0
     assert_png(out / "handwriting.png")
     assert list((tmp_path / "cache" / "glyphs").glob("*/bank.npz"))  # the real-symbol panels used it
-    panels = figures._crohme_panels(tmp_path / "ink", 4, RASTER)
+    panels = figures_data.crohme_panels(tmp_path / "ink", 4, RASTER)
     assert len(panels) == 1 and panels[0][0].shape[0] <= RASTER.height
 
 

@@ -101,3 +101,33 @@ def test_only_the_entry_points_exit():
                 if isinstance(node.value, ast.Name) and node.value.id in ("sys", "os"):
                     exits.append(f"{name}:{node.lineno}")
     assert not exits, exits
+
+
+def test_no_module_of_the_package_is_over_500_lines():
+    long = {module_name(p): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500}
+    assert long == {}, "split these modules by what their parts are"
+
+
+def private_imports() -> list[str]:
+    """`from wapstable.X import _name` anywhere in the package: one module reaching into another's private names."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("wapstable"):
+                found += [
+                    f"{module_name(path)}: {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name.startswith("_")
+                ]
+    return found
+
+
+def test_no_module_imports_another_modules_private_names(tmp_path, monkeypatch):
+    assert private_imports() == []
+    # the check sees one: a module of a copy of the package that imports a private name
+    fake = tmp_path / "wapstable"
+    fake.mkdir()
+    (fake / "a.py").write_text("from wapstable.b import _hidden\n")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    assert private_imports() == ["wapstable.a: wapstable.b._hidden"]

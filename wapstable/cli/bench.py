@@ -24,15 +24,11 @@ Claims about speed live here, measured; tests only smoke-test this script (`--qu
 """
 
 import argparse
-import contextlib
 import copy
 import json
 import logging
-import os
-import platform
 import tempfile
 import time
-import warnings
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -42,28 +38,20 @@ import torch
 
 from wapstable.checkpoint import rng_state
 from wapstable.cli import run_script
-from wapstable.config import CONF_DIR, TINY_OVERRIDES, quote_group_options, register_configs
+from wapstable.cli.bench_measure import STEP_MODES, Device, StepBench, compose, interleave, ratios, summary
+from wapstable.cli.bench_report import machine, table, targets
+from wapstable.config import CONF_DIR, TINY_OVERRIDES, register_configs
 from wapstable.data.render.grammar import generate_expressions
 from wapstable.data.render.mathtext import render
 from wapstable.model.attention import CoverageAttention, masked_softmax
 from wapstable.model.loss import forward_loss
-from wapstable.stability.clip import build_clip, plan_clip
+from wapstable.stability.clip import build_clip
 from wapstable.train.loop import Trainer
 
 log = logging.getLogger("wapstable.bench")
 
 QUICK = TINY_OVERRIDES  # the whole --quick run takes seconds even on a busy CPU
 
-# Variants of the training step, as config overrides on top of the base config (the command line's).
-# "guards off" turns off every guard the config can turn off; what the trainer does regardless (the total norm,
-# the finite flag and its one host sync, the BatchNorm buffer copy) is part of that baseline, and "bare" (a loop
-# with none of it) shows what it costs.
-STEP_MODES = {
-    "off": ["guard.skip_nonfinite=false", "clip=none", "stats.every=0"],
-    "guard": ["stats.every=0"],  # the default guard and the config's clipping
-    "stats/step": ["stats.every=1"],  # guard + statistics on every step; the default interval is derived
-    "anomaly": ["stats.every=0", "guard.detect_anomaly=true"],  # guard + torch.autograd.detect_anomaly
-}
 # Every option of conf/clip/ (a new clip mode's yaml joins the table), clip=none first: the others' baseline.
 CLIP_MODES = tuple(
     sorted((p.stem for p in (CONF_DIR / "clip").glob("*.yaml")), key=lambda m: (m != "none", m))
@@ -81,172 +69,8 @@ SIZES = {  # repeats, training steps per block, target seconds per micro-benchma
     "quick": dict(repeats=3, steps=2, micro_s=0.005, fit_steps=4, renders=4, dense_repeats=0, dense_steps=0),
     "full": dict(repeats=15, steps=8, micro_s=0.1, fit_steps=50, renders=60, dense_repeats=9, dense_steps=3),
 }
-TARGETS = {  # upper bounds, reported and never asserted
-    "guard vs guards off": 1.02,
-    "guard vs plain loop": 1.01,  # the same clipping by hand: what the guard's decisions cost
-    "statistics vs guard": 1.01,
-    "stable vs naive attention": 1.0,
-    # With data.num_workers=0 loading is in series with the step: under 5% it is not what limits a run.
-    "data wait share": 0.05,
-}
 
 
-# ---- measurement ----
-def summary(xs: list[float]) -> dict:
-    """Median with quartiles and range: the spread says how far a ratio can be trusted."""
-    q = np.percentile(xs, [0, 25, 50, 75, 100]).tolist()
-    return {"median": q[2], "q1": q[1], "q3": q[3], "min": q[0], "max": q[4], "n": len(xs)}
-
-
-def interleave(
-    blocks: dict[str, Callable[[], float]], repeats: int, warmup: int = 1
-) -> dict[str, list[float]]:
-    """Run each block once per repeat, the order rotated per repeat; the warm-up repeats are discarded.
-
-    A block returns its own measured seconds (its set-up is not timed). Interleaving spreads a busy machine's
-    slow spells over every variant instead of charging them to whichever ran then.
-    """
-    names = list(blocks)
-    times = {n: [] for n in names}
-    for r in range(warmup + repeats):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
-            t = blocks[name]()
-            if r >= warmup:
-                times[name].append(t)
-    return times
-
-
-def ratios(times: dict[str, list[float]], base: str) -> dict[str, dict]:
-    """Per variant: time summary and the ratio to `base` within each repeat (paired, so drift cancels)."""
-    out = {}
-    for name, ts in times.items():
-        paired = [t / b for t, b in zip(ts, times[base])]
-        out[name] = {"seconds": summary(ts), "ratio": summary(paired)}
-    return out
-
-
-class Device:
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.cuda = device.type == "cuda"
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def timed(self, fn: Callable[[], None]) -> float:
-        """Seconds of `fn`, with the device's queued work finished on both sides."""
-        self.sync()
-        t0 = time.perf_counter()
-        fn()
-        self.sync()
-        return time.perf_counter() - t0
-
-
-@contextlib.contextmanager
-def count_syncs(counter: list[int]):
-    """Counts CUDA host synchronisations through sync debug mode's warnings (CUDA only)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            yield
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    counter.append(sum("synchroniz" in str(w.message) for w in caught))
-
-
-# ---- config and trainers ----
-def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=quote_group_options(list(overrides)))
-
-
-class StepBench:
-    """Trainers for every step variant, on the same batches and the same starting weights."""
-
-    def __init__(self, base: list[str], steps: int, tmp: Path, dev: Device | None = None):
-        self.base, self.tmp = base, tmp
-        self.trainers: dict[str, Trainer] = {}
-        self.reference = self.trainer("guard", STEP_MODES["guard"])
-        self.dev = dev or Device(self.reference.device)
-        self.cfg = self.reference.cfg
-        stream = self.reference.stream
-        # The same batches for every variant and every block: equal work, so only the variant differs.
-        self.batches = [stream.next().to(self.dev.device) for _ in range(steps)]
-        for batch in self.batches[: max(2, steps)]:  # a few real steps, so the optimizer has state to restore
-            self.reference.train_step(batch)
-        ref = self.reference
-        self.snapshot = copy.deepcopy(
-            {
-                "model": ref.model.state_dict(),
-                "optimizer": ref.optimizer.state_dict(),
-                "scheduler": ref.scheduler.state_dict(),
-                "guard": {"clip": {}},  # each trainer's rule starts empty (reset)
-            }
-        )
-
-    def trainer(self, name: str, overrides: list[str]) -> Trainer:
-        if name not in self.trainers:
-            cfg = compose([*self.base, *overrides])
-            cfg.run_dir = str(self.tmp / name.replace("/", "-"))
-            self.trainers[name] = Trainer(cfg)
-        return self.trainers[name]
-
-    def reset(self, t: Trainer) -> None:
-        """Every block starts from the same weights, optimizer state, schedule and empty autoclip history."""
-        t.restore_training(self.snapshot)
-        t.clip.load_state_dict(build_clip(t.cfg.clip).state_dict())  # an empty autoclip history
-        t.step = 0
-        t.model.zero_grad(set_to_none=True)
-
-    def run_steps(self, t: Trainer) -> None:
-        with warnings.catch_warnings():
-            # detect_anomaly's "will increase the runtime" on every entry; only it, so sync warnings still count
-            warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
-            anomaly = torch.autograd.detect_anomaly() if t.cfg.guard.detect_anomaly else None
-            with anomaly or contextlib.nullcontext():
-                for batch in self.batches:
-                    t.train_step(batch)
-                    t.step += 1
-
-    def block(self, t: Trainer, steps: Callable[[Trainer], None] | None = None) -> Callable[[], float]:
-        """A timed block of `steps` (default: `t`'s own training steps), from the same starting state each time."""
-        steps = steps or self.run_steps
-
-        def run() -> float:
-            self.reset(t)
-            return self.dev.timed(lambda: steps(t))
-
-        return run
-
-    def plain_steps(self, t: Trainer, clip: bool = False) -> None:
-        """`t`'s model and optimizer in a plain loop: what a user writes without the guard. `clip=False` is the bare
-        loop (no norm, no flag, no sync, no copies); `clip=True` adds `t`'s clipping, as the guard would clip."""
-        for batch in self.batches:
-            t.optimizer.zero_grad(set_to_none=True)
-            forward_loss(t.model, batch, None, 0, t.cfg.trainer.precision).backward()
-            if clip:
-                plan_clip(t.model.parameters(), t.clip)[1].apply()
-            t.optimizer.step()
-            t.scheduler.step()
-
-    def syncs_per_step(self, t: Trainer, bare: bool = False) -> float:
-        """Host syncs per training step of `t` (CUDA only: on the CPU there is no device to wait for)."""
-        self.reset(t)
-        self.dev.sync()
-        counter: list[int] = []
-        with count_syncs(counter):  # no explicit synchronize inside: only the steps' own syncs count
-            (self.plain_steps if bare else self.run_steps)(t)
-        self.dev.sync()
-        return counter[0] / len(self.batches)
-
-
-# ---- sections ----
 def bench_steps(sb: StepBench, repeats: int) -> dict:
     """Sections 1, 3 and 5: every step variant in one interleaved rotation, so all ratios share conditions."""
     clip_default = build_clip(sb.cfg.clip).name
@@ -521,152 +345,6 @@ def bench_data(base: list[str], tmp: Path, fit_steps: int, renders: int, dev: De
 
 
 # ---- report ----
-def machine(dev: Device) -> dict:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):  # the CPU's marketing name, where Linux gives it
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    info = {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "device": str(dev.device),
-    }
-    if dev.cuda:
-        info["gpu"] = torch.cuda.get_device_name(dev.device)
-    if hasattr(os, "getloadavg"):  # a busy machine makes every absolute figure, and some ratios, unreliable
-        info["load_average"] = [round(x, 2) for x in os.getloadavg()]
-    return info
-
-
-def fmt_ratio(r: dict) -> str:
-    s = r["ratio"]
-    return f"{s['median']:.3f}x [{s['q1']:.3f}, {s['q3']:.3f}]"
-
-
-def fmt_ms(r: dict) -> str:
-    s = r["seconds"]
-    return f"{s['median'] * 1e3:.3f} ms [{s['q1'] * 1e3:.3f}, {s['q3'] * 1e3:.3f}]"
-
-
-def fmt_bytes(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
-
-
-def fmt_syncs(r: dict) -> str:
-    v = r.get("syncs_per_step")
-    return "-" if v is None else f"{v:g}"
-
-
-def table(res: dict) -> str:
-    """Markdown tables (ready for the README): medians with the interquartile range in brackets."""
-    m, settings, every = res["machine"], res["settings"], res["stats_every"]
-    gpu = f" ({m['gpu']})" if "gpu" in m else ""
-    lines = [
-        f"wapstable bench ({'quick' if settings['quick'] else 'full'}): {m['cpu']}, {m['cores']} cores, "
-        f"torch {m['torch']} on {m['device']}{gpu}, "
-        f"{settings['repeats']} repeats of {settings['steps']} steps; load average {m.get('load_average', '?')}",
-        "",
-        "| training step | time per step | vs guards off | samples/s | host syncs/step |",
-        "|---|---|---|---|---|",
-    ]
-    labels = {
-        "bare": "bare loop (no trainer)",
-        "off": "guards off",
-        "guard": "default guard + clipping",
-        f"stats/{every}": f"guard + statistics (every {every}, derived)",
-        "stats/step": "guard + statistics every step",
-        "anomaly": "guard + detect_anomaly",
-    }
-    for k, label in labels.items():
-        r = res["steps"][k]
-        lines.append(
-            f"| {label} | {fmt_ms(r)} | {fmt_ratio(r)} | {r['samples_per_s']:.1f} | {fmt_syncs(r)} |"
-        )
-    r = res["steps"]["stats overhead"]
-    lines.append(f"| statistics alone (every {every}, derived) | | {fmt_ratio(r)} of the guard's | | |")
-
-    lines += [
-        "",
-        "| guard against a plain loop with the same clipping | plain + clip | guarded | guarded vs plain |",
-        "|---|---|---|---|",
-    ]
-    for k, r in res["guard_vs_plain"].items():
-        lines.append(
-            f"| {k} ({r['params_m']:.2f} M parameters, batch {r['batch'][0][0]}) | {fmt_ms(r['plain + clip'])} "
-            f"| {fmt_ms(r['guarded'])} | {fmt_ratio(r['guarded'])} |"
-        )
-    lines += ["", "| clip mode | time per step | vs clip=none | host syncs/step |", "|---|---|---|---|"]
-    for k, r in res["clip"].items():
-        lines.append(f"| {k} | {fmt_ms(r)} | {fmt_ratio(r)} | {fmt_syncs(r)} |")
-
-    skip = res["skip"]
-    lines += ["", "| step | time | vs normal step | host syncs/step |", "|---|---|---|---|"]
-    for k in ("normal", "skipped"):
-        lines.append(f"| {k} | {fmt_ms(skip[k])} | {fmt_ratio(skip[k])} | {fmt_syncs(skip[k])} |")
-    a = skip["anomaly"]
-    lines.append(
-        f"| + anomaly checkpoint write | {a['checkpoint_write_s']['median'] * 1e3:.1f} ms "
-        f"({fmt_bytes(a['checkpoint_bytes'])}) | | |"
-    )
-    lines.append(f"| + localisation (first skip only) | {a['localize_s'] * 1e3:.1f} ms | | |")
-
-    lines += [
-        "",
-        "| attention, forward + backward | stable | naive | stable vs naive | saved for backward (stable / naive) "
-        "| CUDA peak (stable / naive) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for k, r in res["attention"].items():
-        s, n = r["stable"], r["naive"]
-        lines.append(
-            f"| {k} | {fmt_ms(s)} | {fmt_ms(n)} | {fmt_ratio(s)} | "
-            f"{fmt_bytes(s['saved_bytes'])} / {fmt_bytes(n['saved_bytes'])} | "
-            f"{fmt_bytes(s['peak_bytes'])} / {fmt_bytes(n['peak_bytes'])} |"
-        )
-
-    d = res["data"]
-    lines += [
-        "",
-        "| data | |",
-        "|---|---|",
-        f"| default config, fit-like loop ({d['steps']} steps) | {d['samples_per_s']:.1f} samples/s "
-        f"(mean batch {d['mean_batch']:.1f}, {d['step_s'] * 1e3:.1f} ms/step) |",
-        f"| waiting for data (num_workers={d['num_workers']}) | {d['data_wait_share'] * 100:.2f}% of the step "
-        f"({d['data_wait_s'] * 1e3:.2f} ms) |",
-        f"| rendering, one process (difficulty {d['render_difficulty']}) | {d['render_images_per_s']:.1f} images/s |",
-        "",
-        "| target (reported, not asserted) | value | |",
-        "|---|---|---|",
-    ]
-    for k, t in res["targets"].items():
-        lines.append(f"| {k} <= {t['target']:g} | {t['value']:.3f} | {'met' if t['met'] else 'MISSED'} |")
-    return "\n".join(lines)
-
-
-def targets(res: dict) -> dict:
-    """The issue's targets against the medians; stable vs naive takes the worst of its rows."""
-    values = {
-        "guard vs guards off": res["steps"]["guard"]["ratio"]["median"],
-        "statistics vs guard": res["steps"]["stats overhead"]["ratio"]["median"],
-        "stable vs naive attention": max(r["stable"]["ratio"]["median"] for r in res["attention"].values()),
-        "data wait share": res["data"]["data_wait_share"],
-        **{
-            f"guard vs plain loop ({k})": r["guarded"]["ratio"]["median"]
-            for k, r in res["guard_vs_plain"].items()
-        },
-    }
-    return {
-        k: {"target": TARGETS[k.split(" (")[0]], "value": v, "met": v <= TARGETS[k.split(" (")[0]]}
-        for k, v in values.items()
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny model and data, few repeats: seconds")
