@@ -328,7 +328,9 @@ KEYED = {
 # Each data key that changes nothing a cache holds, and why. Changing one must leave every cache's key, and what a
 # fresh cache holds, as they were (test_data_keys_that_change_no_pixels).
 NOT_PIXELS = {
-    "name": "picks the source; each source caches under its own folder (synthetic/, crohme/, images/, glyphs/)",
+    "name": "names the source; each source caches under its own folder (synthetic/, crohme/, images/, glyphs/)",
+    "_target_": "picks the source, which caches under its own folder",
+    "options": "a source's own keys: the built-in sources have none (a source of one's own keys its own cache)",
     "cache_dir": "where the caches are, not what they hold",
     "warp": "a fresh warp of every training batch (data/warp.py), drawn after the cache",
     "pixel_aug": "a fresh augmentation of every training batch (data/pixel_aug.py), drawn after the cache",
@@ -346,7 +348,12 @@ NOT_PIXELS = {
     "max_tokens": "a filter on the loaded training samples (build.build_data)",
     "num_workers": "DataLoader processes",
 }
-NOT_TRIED = {"name", "cache_dir"}  # changing them changes where a cache is, not its key
+NOT_TRIED = {
+    "name",
+    "_target_",
+    "options",
+    "cache_dir",
+}  # changing them changes where a cache is, not its key
 MAIN_CONTEXTS = ("printed", "handwritten", "real glyphs", "crohme", "images")
 
 

@@ -1,6 +1,6 @@
 """A clip mode is one Python file and one yaml: written into a copy of the package (nothing else edited), or kept
 outside it and named by its `_target_` (a config folder on hydra.searchpath), it trains through train.py, its options
-are checked like the package's own, and a checkpoint written before the clip rules resumes."""
+are checked like the package's own (checkpoints from before the rules: tests/test_old_checkpoints.py)."""
 
 import os
 import shutil
@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, TINY, run_train
+from conftest import ROOT, TINY
 from test_loggers import read_csv
 
 # A rule that scales every gradient by `factor` (< 1: every step is "clipped"); its own option, checked.
@@ -104,42 +104,3 @@ def test_a_clip_mode_outside_the_package_is_named_by_its_target(tmp_path, cache_
     proc = train(ROOT, [search, "clip=scale"], run, cache_dir, env)
     bad = train(ROOT, [search, "clip=scale", "clip.factor=2"], tmp_path / "bad", cache_dir, env)
     check_the_scale_rule(proc, run, bad)
-
-
-def test_a_checkpoint_from_before_the_clip_rules_resumes_with_its_mode(tmp_path, cache_dir):
-    """Every checkpoint before the rules held `clip: {mode: ..., max_norm, norm_type, value, factor, eps, percentile,
-    history}` and the AutoClip history under guard.history: resumed, it clips by the same rule with the same
-    history."""
-    from wapstable.checkpoint import load_checkpoint, save_checkpoint
-
-    run = tmp_path / "run"
-    run_train(
-        ["clip=autoclip", "clip.percentile=20", "trainer.max_steps=2", "trainer.checkpoint_every=2"],
-        run,
-        cache_dir,
-    )
-    last = run / "checkpoints" / "last.pt"
-    state = load_checkpoint(last)
-    assert state["config"]["clip"]["_target_"].endswith("AutoClip")
-    norms = state["guard"].pop("clip")["history"]
-    assert norms["count"] == 2
-    state["guard"]["history"] = norms
-    state["config"]["clip"] = {
-        "mode": "autoclip",
-        "max_norm": 100.0,
-        "norm_type": 2.0,
-        "value": 1.0,
-        "factor": 0.01,
-        "eps": 0.001,
-        "percentile": 20.0,
-        "history": 10000,
-    }
-    save_checkpoint(state, last)
-    run_train(["resume=auto", "trainer.max_steps=4", "trainer.checkpoint_every=4"], run, cache_dir)
-    resumed = load_checkpoint(last)
-    assert resumed["config"]["clip"] == {
-        "_target_": "wapstable.stability.clip.autoclip.AutoClip",
-        "percentile": 20.0,
-        "history": 10000,
-    }
-    assert resumed["guard"]["clip"]["history"]["count"] == 4  # the old history, continued

@@ -246,6 +246,7 @@ def line_steps(path) -> list[int]:
     return [int(line.split()[0]) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow  # make test-all (fresh processes outside the package; make test stays under 5 minutes)
 def test_a_logger_of_ones_own_is_one_class_and_one_yaml(tmp_path, cache_dir):
     """A class outside the package named by its _target_, and a yaml in a config folder of the user's on
     hydra.searchpath: nothing of the package edited. Its options are checked as the package's loggers' are."""

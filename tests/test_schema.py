@@ -13,7 +13,6 @@ from wapstable.config import Config, checkpoint_config
 
 # key -> its Enum; the groups whose option sets the key are composed too
 ENUM_KEYS = {
-    "data.name": config.DataSource,
     "data.on_error": config.OnError,
     "data.bucket_by": config.BucketBy,
     "optim.schedule": config.Schedule,

@@ -1,7 +1,7 @@
 """A watcher is one Python file and one yaml under conf/model/: written into a copy of the package (nothing else
 edited), or kept outside it and named by its `_target_` (a config folder on hydra.searchpath), it trains through
-train.py and its checkpoint reads back through evaluate.py's loader; its options are checked like the package's own;
-a checkpoint written before the watchers were `_target_`s resumes and loads."""
+train.py and its checkpoint reads back through evaluate.py's loader; its options are checked like the package's own
+(checkpoints from before the watchers were `_target_`s: tests/test_old_checkpoints.py)."""
 
 import os
 import shutil
@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, TINY, run_train
+from conftest import ROOT, TINY
 
 # Strided 3x3 convs, `layers` of them, each halving the grid; its own options, checked by its own Options.
 STRIDED = """
@@ -105,37 +105,3 @@ def test_a_watcher_outside_the_package_is_named_by_its_target(tmp_path, cache_di
     (conf / "strided.yaml").write_text(MODEL_YAML.format(target="my_watchers.StridedWatcher"))
     search = f"hydra.searchpath=[file://{conf.parent}]"
     check_the_strided_watcher(ROOT, tmp_path, cache_dir, [search], {"PYTHONPATH": str(code)})
-
-
-def test_a_checkpoint_from_before_the_watcher_targets_resumes_and_loads(tmp_path, cache_dir):
-    """Every checkpoint before held `model.watcher: vgg` (or dense) and the watchers' keys flat in `model`."""
-    from wapstable.checkpoint import load_checkpoint, save_checkpoint
-    from wapstable.eval.evaluation import load_model
-
-    run = tmp_path / "run"
-    run_train(["trainer.max_steps=2", "trainer.checkpoint_every=2", "trainer.eval_every=2"], run, cache_dir)
-    for name in ("last.pt", "best.pt"):
-        path = run / "checkpoints" / name
-        state = load_checkpoint(path)
-        model = state["config"]["model"]
-        watcher = model.pop("watcher")
-        assert watcher == {
-            "_target_": "wapstable.model.watchers.vgg.VGGWatcher",
-            "channels": [4, 8, 8, 8],
-            "convs_per_block": 1,
-            "block_convs": [],
-            "pool_last": True,
-        }
-        model |= {k: v for k, v in watcher.items() if k != "_target_"}
-        model |= {"watcher": "vgg", "dense_init_channels": 48, "dense_growth": 24, "dense_layers": 16}
-        model |= {"dense_blocks": 3, "dense_compression": 0.5}
-        save_checkpoint(state, path)
-    watcher = load_model(run / "checkpoints" / "best.pt")[0].watcher
-    assert type(watcher).__name__ == "VGGWatcher" and watcher.stride == 16 and watcher.out_channels == 8
-    run_train(["resume=auto", "trainer.max_steps=4", "trainer.checkpoint_every=4"], run, cache_dir)
-    assert load_checkpoint(run / "checkpoints" / "last.pt")["config"]["model"]["watcher"]["channels"] == [
-        4,
-        8,
-        8,
-        8,
-    ]

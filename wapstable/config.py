@@ -20,8 +20,7 @@ CONF_DIR = Path(__file__).parent / "conf"  # config.yaml and one folder per conf
 
 # Keys with a fixed set of values. OmegaConf checks them when a config is composed, loaded from a checkpoint or
 # overridden (`Invalid value 'x', expected one of [...]`, naming the key), so no module checks them again. A value
-# reads as the plain string: `cfg.data.name == "crohme"`, and checkpoints store strings (`enum_to_str=True`).
-DataSource = StrEnum("DataSource", "synthetic crohme wap_pkl images")
+# reads as the plain string: `cfg.data.on_error == "skip"`, and checkpoints store strings (`enum_to_str=True`).
 OnError = StrEnum("OnError", "fail skip")
 InkScale = StrEnum("InkScale", "height symbol")
 InkStyle = StrEnum("InkStyle", "printed handwritten")
@@ -103,7 +102,11 @@ class PixelAugConfig:
 
 @dataclass
 class DataConfig:
-    name: DataSource = DataSource.synthetic
+    name: str = "synthetic"  # the source's name, in logs and messages
+    # The source: a class of wapstable/data/sources/ (or of the user's own) with splits(cfg_data, which); its own keys
+    # go in `options`, typed and checked by its Options dataclass (docs/extending.md)
+    _target_: str = "wapstable.data.sources.synthetic.SyntheticSource"
+    options: dict[str, Any] = field(default_factory=dict)
     cache_dir: str = "${oc.env:WAPSTABLE_CACHE,${oc.env:HOME,.}/.cache/wapstable}"
     # synthetic
     num_train: int = 3000
@@ -393,6 +396,10 @@ def checkpoint_config(saved: dict, keys: list[str], source: DictConfig) -> DictC
             for name, opts in loggers.items()
             if opts is not None  # the old schema kept every logger, None where not chosen
         }
+    if isinstance(saved.get("data"), dict) and "_target_" not in saved["data"]:  # from before data._target_
+        from wapstable.data.sources import legacy_data
+
+        saved["data"] = legacy_data(saved["data"])
     if isinstance(saved.get("model"), dict) and not isinstance(saved["model"].get("watcher", {}), dict):
         from wapstable.model.watchers import legacy_watcher  # from before model.watcher._target_
 

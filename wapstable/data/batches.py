@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from wapstable.config import BucketBy
 from wapstable.data.sample import Sample, Splits
-from wapstable.data.sources import source_splits
+from wapstable.data.sources import source_of, source_splits
 from wapstable.data.vocab import Vocab
 from wapstable.errors import UserError
 
@@ -72,7 +72,7 @@ def load_vocab(cfg_data, splits: dict[str, list[Sample]]) -> Vocab:
     """The dictionary file when the data set has one (WAP format), the CROHME 2014 dictionary for data=crohme and
     data.symbols=crohme, else every token of the data."""
     if not cfg_data.dictionary and (
-        cfg_data.name == "crohme" or str(getattr(cfg_data, "symbols", "")) == "crohme"
+        source_of(cfg_data).crohme_symbols or str(getattr(cfg_data, "symbols", "")) == "crohme"
     ):
         from wapstable.data.latex import crohme_vocab
 

@@ -17,6 +17,7 @@ from wapstable.config import CONF_DIR, Config, DataConfig, checkpoint_config
 from wapstable.data.batches import BatchStream, check_labels, filter_samples, load_splits, load_vocab
 from wapstable.data.normalize import InkStats
 from wapstable.data.pixel_aug import check_pixel_aug
+from wapstable.data.sources import source_of
 from wapstable.data.vocab import Vocab
 from wapstable.errors import UserError
 from wapstable.eval.evaluation import check_length_power, check_scales
@@ -26,10 +27,6 @@ from wapstable.stability.gradstats import validate_stats_config
 from wapstable.train.loggers import check_logger_config
 
 log = logging.getLogger("wapstable")
-GUIDED_SOURCES = (
-    "synthetic",
-    "crohme",
-)  # the data sources whose samples carry symbol boxes (model.attention.guide)
 
 
 def validate_config(cfg: DictConfig) -> None:
@@ -44,6 +41,7 @@ def validate_config(cfg: DictConfig) -> None:
     if t.precision not in ("32", "bf16", "fp16"):
         raise UserError(f"trainer.precision={t.precision!r} is unknown; use 32, bf16 or fp16")
     build_clip(cfg.clip)  # the rule checks its own options
+    source_of(cfg.data)  # the data source, and its own options
     validate_stats_config(cfg.stats)
     check_logger_config(cfg.logger)
     g = cfg.guard
@@ -114,21 +112,20 @@ def validate_guide_config(cfg: DictConfig) -> None:
     symbol_map = OmegaConf.select(cfg, "model.symbol_map", default=0.0)
     if not symbol_map >= 0:
         raise UserError(f"model.symbol_map={symbol_map} must be >= 0 (0 turns the symbol map off)")
-    if symbol_map > 0 and cfg.data.name not in GUIDED_SOURCES:
+    boxes = source_of(cfg.data).boxes  # the sources whose samples carry symbol boxes
+    if symbol_map > 0 and not boxes:
         log.warning(
-            "model.symbol_map=%s does nothing on data=%s, which has no symbol boxes (data=%s have them); set "
-            "model.symbol_map=0 to say so",
+            "model.symbol_map=%s does nothing on data=%s, which has no symbol boxes (data=synthetic and data=crohme "
+            "have them); set model.symbol_map=0 to say so",
             symbol_map,
             cfg.data.name,
-            " and data=".join(GUIDED_SOURCES),
         )
-    if guide.weight > 0 and cfg.data.name not in GUIDED_SOURCES:
+    if guide.weight > 0 and not boxes:
         log.warning(
-            "model.attention.guide.weight=%s does nothing on data=%s, which has no symbol boxes (data=%s have "
-            "them); set model.attention.guide.weight=0 to say so",
+            "model.attention.guide.weight=%s does nothing on data=%s, which has no symbol boxes (data=synthetic "
+            "and data=crohme have them); set model.attention.guide.weight=0 to say so",
             guide.weight,
             cfg.data.name,
-            " and data=".join(GUIDED_SOURCES),
         )
 
 

@@ -34,11 +34,11 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
 
-from hydra.utils import get_class
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from wapstable.errors import UserError
+from wapstable.targets import import_class
 
 # Every scalar a run logs, in the CSV's column order. Steps count the optimizer steps done (1-based): the row of
 # step N holds the N-th training step, its gradient statistics, and the evaluation and rollback that followed it.
@@ -102,13 +102,7 @@ def logger_class(name: str, opts) -> type:
             f"logger.{name} names no class: give it a _target_ (a logger class, as conf/logger/csv.yaml does), or "
             f"drop it from logger="
         )
-    try:
-        cls = get_class(str(target))
-    except Exception as e:  # noqa: BLE001  (Hydra wraps the ImportError or AttributeError in its own)
-        raise UserError(
-            f"logger.{name}._target_={target} is not an importable class ({str(e).splitlines()[0]}); name a logger "
-            "class on the Python path"
-        ) from None
+    cls = import_class(target, f"logger.{name}", "name a logger class on the Python path")
     for module in getattr(cls, "requires", ()):
         try:
             importlib.import_module(module)

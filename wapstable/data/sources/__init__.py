@@ -1,24 +1,80 @@
-"""The data sources, one module each, that data.name picks: `synthetic` (rendered by the project), `crohme` (InkML),
-`wap_pkl` (WAP's pickles) and `images` (a folder of images with a captions file). Each gives the samples of the
-splits named in `which` through one function `(cfg_data, which)`, a dict or a Splits with its report.
+"""The data sources, one module each, that `data._target_` names: `synthetic` (rendered by the project), `crohme`
+(InkML), `wap_pkl` (WAP's pickles) and `images` (a folder of images with a captions file). Each is a `DataSource`
+(base.py) whose `splits(cfg_data, which)` gives the samples of the splits named in `which`.
 
-A source is imported when it is used, so a run on CROHME never loads mathtext: adding one is a module here and its
-entry in SOURCES (and a member of the schema's DataSource Enum, which lists the same names).
+A source is imported when it is used, so a run on CROHME never loads mathtext. A new one is a module (here, or
+anywhere on the Python path) and a yaml under conf/data/ naming it: docs/extending.md.
 """
 
+import dataclasses
 import importlib
+import pkgutil
 from collections.abc import Sequence
 
-# data.name -> "module:function" of its splits
-SOURCES = {
-    "synthetic": "wapstable.data.sources.synthetic:synthetic_splits",
-    "crohme": "wapstable.data.sources.crohme:crohme_splits",
-    "wap_pkl": "wapstable.data.sources.wap_pkl:wap_pkl_splits",
-    "images": "wapstable.data.sources.images:image_splits",
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from wapstable.data.sources.base import DataSource
+from wapstable.errors import UserError
+from wapstable.targets import import_class
+
+__all__ = ["DataSource", "builtin_sources", "legacy_data", "source_of", "source_splits"]
+
+# data.name -> its class, for the configs of checkpoints from before data._target_ (imported only then)
+BUILTIN = {
+    "synthetic": "wapstable.data.sources.synthetic.SyntheticSource",
+    "crohme": "wapstable.data.sources.crohme.CrohmeSource",
+    "wap_pkl": "wapstable.data.sources.wap_pkl.WapPklSource",
+    "images": "wapstable.data.sources.images.ImageSource",
 }
 
 
+def builtin_sources() -> dict[str, type]:
+    """The sources of this package by name, found in its modules (imports every source: for listings and tests)."""
+    found = {}
+    for module in pkgutil.iter_modules(__path__):
+        mod = importlib.import_module(f"{__name__}.{module.name}")
+        for obj in vars(mod).values():
+            if isinstance(obj, type) and issubclass(obj, DataSource) and obj is not DataSource:
+                found[obj.name] = obj
+    return found
+
+
+def source_of(cfg_data) -> DataSource:
+    """The source `data._target_` names, with its own options (`data.options`) checked; one sentence otherwise."""
+    target = cfg_data.get("_target_") if hasattr(cfg_data, "get") else getattr(cfg_data, "_target_", None)
+    if not target:
+        raise UserError(
+            "data names no source: give it a _target_ (a data source class, as conf/data/crohme.yaml does)"
+        )
+    cls = import_class(target, "data", "name a data source on the Python path")
+    if not (isinstance(cls, type) and callable(getattr(cls, "splits", None))):
+        raise UserError(
+            f"data._target_={target} is not a data source: it must be a class with a splits(cfg_data, which) method "
+            "(subclass wapstable.data.sources.base.DataSource)"
+        )
+    given = getattr(cfg_data, "options", None) or {}
+    given = OmegaConf.to_container(OmegaConf.create(dict(given)), resolve=True)
+    schema = getattr(cls, "Options", None)
+    if not dataclasses.is_dataclass(schema):
+        return cls(given) if given else cls()
+    try:
+        options = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), given))
+    except OmegaConfBaseException as e:
+        if isinstance(e.__cause__, UserError):  # the Options' own check, raised in its constructor
+            raise e.__cause__ from None
+        key = f"data.options.{e.full_key}" if getattr(e, "full_key", None) else "data.options"
+        raise UserError(f"{key}: {str(e).splitlines()[0]}; see {cls.__module__}'s Options") from None
+    return cls(options)
+
+
 def source_splits(cfg_data, which: Sequence[str]):
-    """The splits `which` of the source data.name, read by its function in SOURCES."""
-    module, function = SOURCES[str(cfg_data.name)].split(":")
-    return getattr(importlib.import_module(module), function)(cfg_data, which)
+    """The splits `which` of the source `data._target_` names."""
+    return source_of(cfg_data).splits(cfg_data, which)
+
+
+def legacy_data(saved: dict) -> dict:
+    """A checkpoint's data config from before the sources were `_target_`s: the class its data.name named then."""
+    if not isinstance(saved, dict) or "_target_" in saved:
+        return saved
+    return {**saved, "_target_": BUILTIN.get(str(saved.get("name", "synthetic")), BUILTIN["synthetic"])}

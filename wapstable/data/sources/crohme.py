@@ -25,6 +25,7 @@ from wapstable.data.ink.read import read_inkml
 from wapstable.data.ink.redraw import Redraw
 from wapstable.data.latex import DataError, check_on_error, on_data_error
 from wapstable.data.sample import Sample, Splits, data_root, held_out, no_boxes
+from wapstable.data.sources.base import DataSource
 from wapstable.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -260,3 +261,15 @@ def crohme_splits(cfg_data, which: Sequence[str]) -> Splits:
                 f"the {split} split of data=crohme under {root} is empty; check data.root and data.{split}"
             )
     return splits
+
+
+class CrohmeSource(DataSource):
+    """`data=crohme`: folders of CROHME InkML files, rasterised (the module docstring); symbol boxes from their
+    traceGroups, labels in the CROHME 2014 dictionary."""
+
+    name = "crohme"
+    boxes = True
+    crohme_symbols = True
+
+    def splits(self, cfg_data, which: Sequence[str]) -> Splits:
+        return crohme_splits(cfg_data, which)

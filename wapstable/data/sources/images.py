@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,7 @@ from wapstable.data.cache import check_writable, code_hash, pack_images, read_np
 from wapstable.data.latex import DataError, check_on_error, normalize_crohme, on_data_error, tokenize_latex
 from wapstable.data.normalize import normalize, read_image
 from wapstable.data.sample import Sample, Splits, data_root, held_out
+from wapstable.data.sources.base import DataSource
 from wapstable.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -211,3 +213,12 @@ def image_splits(cfg_data, which) -> Splits:
                 f"the {split} split of data=images under {root} is empty; check data.root and data.{split}"
             )
     return splits
+
+
+class ImageSource(DataSource):
+    """`data=images`: a folder of images with a captions file (CoMER's, HME100K's or the WAP authors' layout)."""
+
+    name = "images"
+
+    def splits(self, cfg_data, which: Sequence[str]) -> Splits:
+        return image_splits(cfg_data, which)

@@ -30,6 +30,7 @@ from wapstable.data.render.grammar import LABEL_STREAM, RENDER_STREAM, seeded_rn
 from wapstable.data.render.handwritten import render_handwritten
 from wapstable.data.render.mathtext import FONTS, collect_boxes, font_properties, render
 from wapstable.data.sample import Sample, Splits, no_boxes
+from wapstable.data.sources.base import DataSource
 from wapstable.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -401,3 +402,14 @@ def synthetic_splits(cfg_data, which: Sequence[str]) -> Splits:
         splits["test"] = real["test"]
         splits.report = real.report
     return splits
+
+
+class SyntheticSource(DataSource):
+    """`data=synthetic` (the default): expressions the project renders itself, printed or handwritten, with the
+    symbol box of every token."""
+
+    name = "synthetic"
+    boxes = True
+
+    def splits(self, cfg_data, which: Sequence[str]) -> Splits:
+        return synthetic_splits(cfg_data, which)

@@ -14,6 +14,7 @@ import numpy as np
 
 from wapstable.data.latex import DataError, check_on_error, on_data_error
 from wapstable.data.sample import Sample, data_root
+from wapstable.data.sources.base import DataSource
 from wapstable.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -165,3 +166,12 @@ def wap_pkl_splits(cfg_data, which: Sequence[str]) -> dict[str, list[Sample]]:
                 f"the {split} split of data=wap_pkl under {root} is empty; check data.root and data.{split}"
             )
     return splits
+
+
+class WapPklSource(DataSource):
+    """`data=wap_pkl`: the WAP authors' pickles of offline images, their captions and dictionary."""
+
+    name = "wap_pkl"
+
+    def splits(self, cfg_data, which: Sequence[str]) -> dict[str, list[Sample]]:
+        return wap_pkl_splits(cfg_data, which)

@@ -17,12 +17,12 @@ import pkgutil
 from typing import Protocol, runtime_checkable
 
 import torch.nn as nn
-from hydra.utils import get_class
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch import Tensor
 
 from wapstable.errors import UserError
+from wapstable.targets import import_class
 
 __all__ = ["Watcher", "build_watcher", "builtin_watchers", "legacy_watcher"]
 
@@ -71,14 +71,8 @@ def build_watcher(cfg_watcher) -> nn.Module:
         raise UserError(
             "model.watcher names no class: give it a _target_ (a watcher class, as conf/model/small.yaml does)"
         )
-    try:
-        cls = get_class(str(target))
-    except Exception as e:  # noqa: BLE001  (Hydra wraps the ImportError or AttributeError in its own)
-        raise UserError(
-            f"model.watcher._target_={target} is not an importable class ({str(e).splitlines()[0]}); name a watcher "
-            "on the Python path"
-        ) from None
-    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+    cls = import_class(target, "model.watcher", "name a watcher on the Python path")
+    if not issubclass(cls, nn.Module):
         raise UserError(f"model.watcher._target_={target} is not a watcher: it must be an nn.Module")
     options = (
         watcher_options(cls, given) if dataclasses.is_dataclass(getattr(cls, "Options", None)) else given

@@ -15,7 +15,6 @@ import pkgutil
 from collections.abc import Iterable
 
 import torch
-from hydra.utils import get_class
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch.nn.utils import get_total_norm
@@ -23,6 +22,7 @@ from torch.nn.utils import get_total_norm
 from wapstable.errors import UserError
 from wapstable.stability.clip.autoclip import AutoClip, AutoClipHistory
 from wapstable.stability.clip.base import ClipPlan, ClipRule, no_plan
+from wapstable.targets import import_class
 
 __all__ = [
     "AutoClip",
@@ -57,13 +57,8 @@ def option_names(cls: type) -> list[str]:
 
 def rule_class(target: str) -> type:
     """The class `clip._target_` names; a UserError in one sentence when it is not a clip rule."""
-    try:
-        cls = get_class(str(target))
-    except Exception as e:  # noqa: BLE001  (Hydra wraps the ImportError or AttributeError in its own)
-        raise UserError(
-            f"clip._target_={target} is not an importable class ({str(e).splitlines()[0]}); name a clip rule on the "
-            "Python path, or choose one of clip={" + ",".join(builtin_rules()) + "}"
-        ) from None
+    hint = "name a clip rule on the Python path, or choose one of clip={" + ",".join(builtin_rules()) + "}"
+    cls = import_class(target, "clip", hint)
     if not (dataclasses.is_dataclass(cls) and callable(getattr(cls, "plan", None))):
         raise UserError(
             f"clip._target_={target} is not a clip rule: it must be a dataclass with a plan() method (subclass "

@@ -1,0 +1,74 @@
+"""A checkpoint written before the parts were built from `_target_` still resumes and evaluates: its clip section
+(`clip.mode` and every mode's keys flat, AutoClip's history under guard.history), its watcher (`model.watcher: vgg`
+and the watchers' keys flat in `model`) and its data source (`data.name` alone) map onto today's rules, watchers
+and sources."""
+
+from conftest import run_train
+
+OLD_CLIP = {
+    "mode": "autoclip",
+    "max_norm": 100.0,
+    "norm_type": 2.0,
+    "value": 1.0,
+    "factor": 0.01,
+    "eps": 0.001,
+    "percentile": 20.0,
+    "history": 10000,
+}
+OLD_WATCHER_KEYS = {"dense_init_channels": 48, "dense_growth": 24, "dense_layers": 16, "dense_blocks": 3}
+
+
+def make_old(state: dict) -> None:
+    """`state` (a checkpoint of today) as the release before the `_target_`s wrote it."""
+    config = state["config"]
+    assert config["clip"]["_target_"].endswith(".AutoClip")
+    config["clip"] = OLD_CLIP
+    if "clip" in state.get("guard", {}):
+        state["guard"]["history"] = state["guard"].pop("clip")["history"]
+    model = config["model"]
+    watcher = model.pop("watcher")
+    assert watcher["_target_"] == "wapstable.model.watchers.vgg.VGGWatcher"
+    model |= {k: v for k, v in watcher.items() if k != "_target_"}
+    model |= {"watcher": "vgg", **OLD_WATCHER_KEYS, "dense_compression": 0.5}
+    data = config["data"]
+    assert (
+        data.pop("_target_") == "wapstable.data.sources.synthetic.SyntheticSource"
+        and data.pop("options") == {}
+    )
+
+
+def test_a_checkpoint_from_before_the_targets_resumes_and_evaluates(tmp_path, cache_dir):
+    from wapstable.checkpoint import load_checkpoint, save_checkpoint
+    from wapstable.eval.evaluation import load_model
+
+    run = tmp_path / "run"
+    args = ["clip=autoclip", "clip.percentile=20", "trainer.max_steps=2", "trainer.checkpoint_every=2"]
+    run_train([*args, "trainer.eval_every=2"], run, cache_dir)
+    for name in ("last.pt", "best.pt"):
+        path = run / "checkpoints" / name
+        state = load_checkpoint(path)
+        make_old(state)
+        save_checkpoint(state, path)
+    assert load_checkpoint(run / "checkpoints" / "last.pt")["guard"]["history"]["count"] == 2
+
+    model, _, cfg = load_model(run / "checkpoints" / "best.pt")  # evaluate.py's and predict.py's reader
+    assert type(model.watcher).__name__ == "VGGWatcher" and model.watcher.stride == 16
+    assert cfg.data._target_.endswith(".SyntheticSource") and cfg.clip._target_.endswith(".AutoClip")
+
+    run_train(["resume=auto", "trainer.max_steps=4", "trainer.checkpoint_every=4"], run, cache_dir)
+    resumed = load_checkpoint(run / "checkpoints" / "last.pt")
+    config = resumed["config"]
+    assert config["clip"] == {
+        "_target_": "wapstable.stability.clip.autoclip.AutoClip",
+        "percentile": 20.0,
+        "history": 10000,
+    }
+    assert resumed["guard"]["clip"]["history"]["count"] == 4  # the old history, continued
+    assert config["model"]["watcher"] == {
+        "_target_": "wapstable.model.watchers.vgg.VGGWatcher",
+        "channels": [4, 8, 8, 8],
+        "convs_per_block": 1,
+        "block_convs": [],
+        "pool_last": True,
+    }
+    assert "dense_growth" not in config["model"] and config["data"]["_target_"].endswith(".SyntheticSource")
