@@ -3,7 +3,6 @@ outside it and named by its `_target_` (a config folder on hydra.searchpath), it
 are checked like the package's own (checkpoints from before the rules: tests/test_old_checkpoints.py)."""
 
 import os
-import shutil
 import subprocess
 import sys
 
@@ -57,40 +56,7 @@ def check_the_scale_rule(proc, run, bad):
     assert "clip.factor=2.0 must lie in (0, 1] for clip=scale" in bad.stdout + bad.stderr
 
 
-def test_a_new_clip_mode_is_one_file_and_one_yaml_in_the_package(tmp_path, cache_dir):
-    copy = tmp_path / "copy"
-    copy.mkdir()
-    shutil.copytree(
-        ROOT / "wapstable", copy / "wapstable", symlinks=True, ignore=shutil.ignore_patterns("__pycache__")
-    )
-    shutil.copytree(ROOT / "conf", copy / "conf")
-    shutil.copy(ROOT / "train.py", copy / "train.py")
-    (copy / "wapstable" / "stability" / "clip" / "scale.py").write_text(SCALE_RULE)
-    (copy / "conf" / "clip" / "scale.yaml").write_text(
-        "_target_: wapstable.stability.clip.scale.ScaleClip\nfactor: 0.5\n"
-    )
-    env = {"PYTHONPATH": str(copy)}  # the copy's package, not the installed one
-    run = tmp_path / "run"
-    proc = train(copy, ["clip=scale", "clip.factor=0.25"], run, cache_dir, env)
-    bad = train(copy, ["clip=scale", "clip.factor=2"], tmp_path / "bad", cache_dir, env)
-    check_the_scale_rule(proc, run, bad)
-    assert not (tmp_path / "bad" / "checkpoints").exists()
-    # the copy's own list of modes has it (the bench's table, the legacy mapper's names)
-    listed = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from wapstable.stability.clip import builtin_rules; print(sorted(builtin_rules()))",
-        ],
-        cwd=copy,
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-    )
-    assert "'scale'" in listed.stdout, listed.stderr
-
-
-@pytest.mark.slow  # make test-all; make test keeps the package copy
+@pytest.mark.slow  # make test-all; make test adds a part to a package copy (tests/test_components.py)
 def test_a_clip_mode_outside_the_package_is_named_by_its_target(tmp_path, cache_dir):
     code = tmp_path / "mine"
     code.mkdir()

@@ -4,7 +4,6 @@ train.py; its own options (data.options) are checked like the package's keys; a 
 sentence (checkpoints from before the sources were `_target_`s: tests/test_old_checkpoints.py)."""
 
 import os
-import shutil
 import subprocess
 import sys
 
@@ -72,22 +71,7 @@ def check_the_bar_source(cmd_dir, tmp_path, cache_dir, args, env):
     assert not (bad / "checkpoints").exists()
 
 
-def test_a_new_data_source_is_one_file_and_one_yaml_in_the_package(tmp_path, cache_dir):
-    copy = tmp_path / "copy"
-    copy.mkdir()
-    shutil.copytree(
-        ROOT / "wapstable", copy / "wapstable", symlinks=True, ignore=shutil.ignore_patterns("__pycache__")
-    )
-    shutil.copytree(ROOT / "conf", copy / "conf")
-    shutil.copy(ROOT / "train.py", copy / "train.py")
-    (copy / "wapstable" / "data" / "sources" / "bars.py").write_text(BARS)
-    (copy / "conf" / "data" / "bars.yaml").write_text(
-        YAML.format(target="wapstable.data.sources.bars.BarSource")
-    )
-    check_the_bar_source(copy, tmp_path, cache_dir, [], {"PYTHONPATH": str(copy)})
-
-
-@pytest.mark.slow  # make test-all; make test keeps the package copy
+@pytest.mark.slow  # make test-all; make test adds a part to a package copy (tests/test_components.py)
 def test_a_data_source_outside_the_package_is_named_by_its_target(tmp_path, cache_dir):
     code = tmp_path / "mine"
     code.mkdir()

@@ -4,7 +4,6 @@ train.py and its checkpoint reads back through evaluate.py's loader; its options
 (checkpoints from before the watchers were `_target_`s: tests/test_old_checkpoints.py)."""
 
 import os
-import shutil
 import subprocess
 import sys
 
@@ -61,7 +60,7 @@ def loaded(cmd_dir, checkpoint, env_extra) -> str:
     return proc.stdout.strip()
 
 
-def check_the_strided_watcher(cmd_dir, tmp_path, cache_dir, args, env, types=True):
+def check_the_strided_watcher(cmd_dir, tmp_path, cache_dir, args, env):
     run = tmp_path / "run"
     proc = train(cmd_dir, ["model=strided", "model.watcher.layers=2", *args], run, cache_dir, env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -71,8 +70,6 @@ def check_the_strided_watcher(cmd_dir, tmp_path, cache_dir, args, env, types=Tru
     proc = train(cmd_dir, ["model=strided", "model.watcher.layers=0", *args], bad, cache_dir, env)
     assert proc.returncode == 2 and "model.watcher.layers=0 must be at least 1" in proc.stdout + proc.stderr
     assert not (bad / "checkpoints").exists()
-    if not types:
-        return
     proc = train(cmd_dir, ["model=strided", "model.watcher.width=wide", *args], bad, cache_dir, env)
     assert (
         proc.returncode == 2
@@ -81,21 +78,7 @@ def check_the_strided_watcher(cmd_dir, tmp_path, cache_dir, args, env, types=Tru
     )
 
 
-def test_a_new_watcher_is_one_file_and_one_yaml_in_the_package(tmp_path, cache_dir):
-    copy = tmp_path / "copy"
-    copy.mkdir()
-    shutil.copytree(
-        ROOT / "wapstable", copy / "wapstable", symlinks=True, ignore=shutil.ignore_patterns("__pycache__")
-    )
-    shutil.copytree(ROOT / "conf", copy / "conf")
-    shutil.copy(ROOT / "train.py", copy / "train.py")
-    (copy / "wapstable" / "model" / "watchers" / "strided.py").write_text(STRIDED)
-    target = "wapstable.model.watchers.strided.StridedWatcher"
-    (copy / "conf" / "model" / "strided.yaml").write_text(MODEL_YAML.format(target=target))
-    check_the_strided_watcher(copy, tmp_path, cache_dir, [], {"PYTHONPATH": str(copy)}, types=False)
-
-
-@pytest.mark.slow  # make test-all; make test keeps the package copy
+@pytest.mark.slow  # make test-all; make test adds a part to a package copy (tests/test_components.py)
 def test_a_watcher_outside_the_package_is_named_by_its_target(tmp_path, cache_dir):
     code = tmp_path / "mine"
     code.mkdir()

@@ -301,7 +301,7 @@ def bench_data(base: list[str], tmp: Path, fit_steps: int, renders: int, dev: De
     t = Trainer(cfg)
     for _ in range(2):  # warm-up
         t.train_step(t.stream.next().to(t.device))
-    t.step = 0  # stats.every counts from 0: the window holds the default config's share of statistics steps
+    t.go_to_step(0)  # stats.every counts from 0: the window holds the default config's share of statistics steps
     wait, total, samples = 0.0, 0.0, 0
     for _ in range(fit_steps):
         dev.sync()
@@ -311,7 +311,7 @@ def bench_data(base: list[str], tmp: Path, fit_steps: int, renders: int, dev: De
         out = t.train_step(batch)
         if out.skipped:
             t.model.zero_grad(set_to_none=True)
-        t.step += 1
+        t.go_to_step(t.step + 1)
         dev.sync()
         t2 = time.perf_counter()
         wait, total, samples = wait + (t1 - t0), total + (t2 - t0), samples + batch.images.shape[0]

@@ -14,7 +14,7 @@ import torch
 
 from wapstable.config import CONF_DIR, quote_group_options
 from wapstable.model.loss import forward_loss
-from wapstable.stability.clip import build_clip, plan_clip
+from wapstable.stability.clip import plan_clip
 from wapstable.train.loop import Trainer
 
 log = logging.getLogger("wapstable.bench")
@@ -139,10 +139,7 @@ class StepBench:
 
     def reset(self, t: Trainer) -> None:
         """Every block starts from the same weights, optimizer state, schedule and empty autoclip history."""
-        t.restore_training(self.snapshot)
-        t.clip.load_state_dict(build_clip(t.cfg.clip).state_dict())  # an empty autoclip history
-        t.step = 0
-        t.model.zero_grad(set_to_none=True)
+        t.restart(self.snapshot)
 
     def run_steps(self, t: Trainer) -> None:
         with warnings.catch_warnings():
@@ -152,7 +149,7 @@ class StepBench:
             with anomaly or contextlib.nullcontext():
                 for batch in self.batches:
                     t.train_step(batch)
-                    t.step += 1
+                    t.go_to_step(t.step + 1)
 
     def block(self, t: Trainer, steps: Callable[[Trainer], None] | None = None) -> Callable[[], float]:
         """A timed block of `steps` (default: `t`'s own training steps), from the same starting state each time."""

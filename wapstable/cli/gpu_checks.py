@@ -158,7 +158,7 @@ def batch(t: Trainer):
 def step(t: Trainer, b) -> StepResult:
     """One guarded step of `t` on batch `b`, as the trainer takes it (fault, forward, the guard)."""
     result = t.train_step(b)
-    t.step += 1
+    t.go_to_step(t.step + 1)
     return result
 
 
@@ -196,7 +196,7 @@ def next_step_taken(t: Trainer, before: dict) -> None:
 def nan_step(t: Trainer) -> StepResult:
     """A step with `fault=nan_input`: the trainer's fault fires at FAULT_STEP (a NaN pixel in the first image)."""
     b = batch(t)
-    t.step = FAULT_STEP
+    t.go_to_step(FAULT_STEP)
     return step(t, b)
 
 
@@ -409,8 +409,7 @@ def check_ddp(ctx: Check, backend: str) -> tuple[str, str]:
             if dist.get_backend() != backend:
                 raise CheckFailed(f"the process group runs {dist.get_backend()}, not {backend}")
             one = OneRank(t.dist.rank, t.dist.world_size, t.dist.device)
-            t.dist, t.ddp_model = one, one.wrap(t.model)
-            t.guard.reduce_flag, t.guard.agree = one.any, one.agree
+            t.use_distributed(one)
             if not isinstance(t.ddp_model, torch.nn.parallel.DistributedDataParallel):
                 raise CheckFailed("the model is not in DistributedDataParallel")
             one.check_consistency(t.model, t.step)  # all-gather of the weight checksums

@@ -159,6 +159,26 @@ class Trainer(TrainingStep, RunEvents, TrainingState):
         if self.resume_state is not None:
             self.load_state(self.resume_state)
 
+    # ---- the public API of the tools that drive a trainer step by step (scripts/bench.py, scripts/gpu_check.py) ----
+    def restart(self, state: dict, step: int = 0) -> None:
+        """Put the training state back to `state` (weights, optimizer, schedule, GradScaler; the clip rule's state as
+        a fresh rule has it) and number the next step `step`: every timed block of the benchmark starts so."""
+        self.restore_training(state)
+        self.clip.load_state_dict(build_clip(self.cfg.clip).state_dict())
+        self.go_to_step(step)
+        self.model.zero_grad(set_to_none=True)
+
+    def go_to_step(self, step: int) -> None:
+        """Number the next step `step` (what decides whether a fault fires, statistics are written, an evaluation
+        runs), with nothing else changed."""
+        self.step = int(step)
+
+    def use_distributed(self, dist: distributed.Dist) -> None:
+        """Train through `dist` from the next step: the model wrapped by it, and the guard's one decision and spike
+        agreement taken over its ranks."""
+        self.dist, self.ddp_model = dist, dist.wrap(self.model)
+        self.guard.reduce_flag, self.guard.agree = dist.any, dist.agree
+
     def fit(self) -> dict:
         """Guarded steps, each followed by its events (consistency check, evaluation, snapshot, checkpoint), until
         trainer.max_steps, the time budget or a stop signal; then the final test (or, after a signal, last.pt and
