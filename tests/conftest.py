@@ -62,6 +62,19 @@ def vgg(channels, **options) -> dict:
     return {"_target_": VGG, "channels": list(channels), **options}
 
 
+def outside_the_package(tmp_path, module: str, code: str, option: str, yaml: str) -> tuple[str, dict]:
+    """A part kept outside the package: `code` as module `module` in a folder of its own, and `yaml` as the config
+    option `option` ("clip/scale") in a config folder of the user's. Returns the hydra.searchpath override and the
+    environment (PYTHONPATH) that find them."""
+    code_dir = tmp_path / "mine"
+    code_dir.mkdir(exist_ok=True)
+    (code_dir / f"{module}.py").write_text(code)
+    conf = tmp_path / "myconf" / f"{option}.yaml"
+    conf.parent.mkdir(parents=True, exist_ok=True)
+    conf.write_text(yaml)
+    return f"hydra.searchpath=[file://{tmp_path / 'myconf'}]", {"PYTHONPATH": str(code_dir)}
+
+
 def compose_config(overrides=(), run_dir=None):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=quote_group_options(list(overrides)))

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, outside_the_package
 from test_loggers import read_csv
 
 # A rule that scales every gradient by `factor` (< 1: every step is "clipped"); its own option, checked.
@@ -58,14 +58,8 @@ def check_the_scale_rule(proc, run, bad):
 
 @pytest.mark.slow  # make test-all; make test adds a part to a package copy (tests/test_components.py)
 def test_a_clip_mode_outside_the_package_is_named_by_its_target(tmp_path, cache_dir):
-    code = tmp_path / "mine"
-    code.mkdir()
-    (code / "my_rules.py").write_text(SCALE_RULE)
-    conf = tmp_path / "myconf" / "clip"
-    conf.mkdir(parents=True)
-    (conf / "scale.yaml").write_text("_target_: my_rules.ScaleClip\nfactor: 0.5\n")
-    env = {"PYTHONPATH": str(code)}
-    search = f"hydra.searchpath=[file://{conf.parent}]"
+    yaml = "_target_: my_rules.ScaleClip\nfactor: 0.5\n"
+    search, env = outside_the_package(tmp_path, "my_rules", SCALE_RULE, "clip/scale", yaml)
     run = tmp_path / "run"
     proc = train(ROOT, [search, "clip=scale"], run, cache_dir, env)
     bad = train(ROOT, [search, "clip=scale", "clip.factor=2"], tmp_path / "bad", cache_dir, env)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, TINY, refusal_in_process
+from conftest import ROOT, TINY, outside_the_package, refusal_in_process
 
 # Images of `strokes` vertical bars, labelled with as many 1s: a source of its own, with its own options.
 BARS = """
@@ -73,14 +73,9 @@ def check_the_bar_source(cmd_dir, tmp_path, cache_dir, args, env):
 
 @pytest.mark.slow  # make test-all; make test adds a part to a package copy (tests/test_components.py)
 def test_a_data_source_outside_the_package_is_named_by_its_target(tmp_path, cache_dir):
-    code = tmp_path / "mine"
-    code.mkdir()
-    (code / "my_sources.py").write_text(BARS)
-    conf = tmp_path / "myconf" / "data"
-    conf.mkdir(parents=True)
-    (conf / "bars.yaml").write_text(YAML.format(target="my_sources.BarSource"))
-    search = f"hydra.searchpath=[file://{conf.parent}]"
-    check_the_bar_source(ROOT, tmp_path, cache_dir, [search], {"PYTHONPATH": str(code)})
+    yaml = YAML.format(target="my_sources.BarSource")
+    search, env = outside_the_package(tmp_path, "my_sources", BARS, "data/bars", yaml)
+    check_the_bar_source(ROOT, tmp_path, cache_dir, [search], env)
 
 
 def test_a_target_that_is_no_source_is_one_sentence(tmp_path, cache_dir):

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, outside_the_package
 
 # Strided 3x3 convs, `layers` of them, each halving the grid; its own options, checked by its own Options.
 STRIDED = """
@@ -80,11 +80,6 @@ def check_the_strided_watcher(cmd_dir, tmp_path, cache_dir, args, env):
 
 @pytest.mark.slow  # make test-all; make test adds a part to a package copy (tests/test_components.py)
 def test_a_watcher_outside_the_package_is_named_by_its_target(tmp_path, cache_dir):
-    code = tmp_path / "mine"
-    code.mkdir()
-    (code / "my_watchers.py").write_text(STRIDED)
-    conf = tmp_path / "myconf" / "model"
-    conf.mkdir(parents=True)
-    (conf / "strided.yaml").write_text(MODEL_YAML.format(target="my_watchers.StridedWatcher"))
-    search = f"hydra.searchpath=[file://{conf.parent}]"
-    check_the_strided_watcher(ROOT, tmp_path, cache_dir, [search], {"PYTHONPATH": str(code)})
+    yaml = MODEL_YAML.format(target="my_watchers.StridedWatcher")
+    search, env = outside_the_package(tmp_path, "my_watchers", STRIDED, "model/strided", yaml)
+    check_the_strided_watcher(ROOT, tmp_path, cache_dir, [search], env)

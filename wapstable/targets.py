@@ -1,6 +1,7 @@
 """What a config's `_target_` names: the class, imported from the Python path, or one sentence saying why not."""
 
 import importlib
+import pkgutil
 
 from wapstable.errors import UserError
 
@@ -15,3 +16,20 @@ def import_class(target: str, key: str, hint: str) -> type:
     if not isinstance(cls, type):
         raise UserError(f"{key}._target_={target} is not an importable class; {hint}")
     return cls
+
+
+def classes_in(package: str, path, kind: type) -> list[type]:
+    """The subclasses of `kind` defined in the modules of `package` (its `__path__`): the built-in parts a listing
+    or a mapper of old configs finds without a table to keep up to date."""
+    found = []
+    for module in pkgutil.iter_modules(path):
+        mod = importlib.import_module(f"{package}.{module.name}")
+        found += [
+            obj
+            for obj in vars(mod).values()
+            if isinstance(obj, type)
+            and issubclass(obj, kind)
+            and obj is not kind
+            and obj.__module__ == mod.__name__
+        ]
+    return found

@@ -301,7 +301,9 @@ def bench_data(base: list[str], tmp: Path, fit_steps: int, renders: int, dev: De
     t = Trainer(cfg)
     for _ in range(2):  # warm-up
         t.train_step(t.stream.next().to(t.device))
-    t.go_to_step(0)  # stats.every counts from 0: the window holds the default config's share of statistics steps
+    t.go_to_step(
+        0
+    )  # stats.every counts from 0: the window holds the default config's share of statistics steps
     wait, total, samples = 0.0, 0.0, 0
     for _ in range(fit_steps):
         dev.sync()

@@ -7,8 +7,6 @@ anywhere on the Python path) and a yaml under conf/data/ naming it: docs/extendi
 """
 
 import dataclasses
-import importlib
-import pkgutil
 from collections.abc import Sequence
 
 from omegaconf import OmegaConf
@@ -16,7 +14,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from wapstable.data.sources.base import DataSource
 from wapstable.errors import UserError
-from wapstable.targets import import_class
+from wapstable.targets import classes_in, import_class
 
 __all__ = ["DataSource", "builtin_sources", "legacy_data", "source_of", "source_splits"]
 
@@ -31,13 +29,7 @@ BUILTIN = {
 
 def builtin_sources() -> dict[str, type]:
     """The sources of this package by name, found in its modules (imports every source: for listings and tests)."""
-    found = {}
-    for module in pkgutil.iter_modules(__path__):
-        mod = importlib.import_module(f"{__name__}.{module.name}")
-        for obj in vars(mod).values():
-            if isinstance(obj, type) and issubclass(obj, DataSource) and obj is not DataSource:
-                found[obj.name] = obj
-    return found
+    return {cls.name: cls for cls in classes_in(__name__, __path__, DataSource)}
 
 
 def source_of(cfg_data) -> DataSource:

@@ -12,8 +12,6 @@ that cannot work, in one sentence. A new one is one file (here or anywhere on th
 """
 
 import dataclasses
-import importlib
-import pkgutil
 from typing import Protocol, runtime_checkable
 
 import torch.nn as nn
@@ -22,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 from torch import Tensor
 
 from wapstable.errors import UserError
-from wapstable.targets import import_class
+from wapstable.targets import classes_in, import_class
 
 __all__ = ["Watcher", "build_watcher", "builtin_watchers", "legacy_watcher"]
 
@@ -42,13 +40,7 @@ class Watcher(Protocol):
 
 def builtin_watchers() -> dict[str, type]:
     """The watchers of this package by class name, found in its modules (a new file needs no edit here)."""
-    found = {}
-    for module in pkgutil.iter_modules(__path__):
-        mod = importlib.import_module(f"{__name__}.{module.name}")
-        for obj in vars(mod).values():
-            if isinstance(obj, type) and issubclass(obj, nn.Module) and hasattr(obj, "Options"):
-                found[obj.__name__] = obj
-    return found
+    return {cls.__name__: cls for cls in classes_in(__name__, __path__, nn.Module) if hasattr(cls, "Options")}
 
 
 def watcher_options(cls: type, given: dict) -> dict:

@@ -10,8 +10,6 @@ for a loop of one's own.
 """
 
 import dataclasses
-import importlib
-import pkgutil
 from collections.abc import Iterable
 
 import torch
@@ -22,7 +20,7 @@ from torch.nn.utils import get_total_norm
 from wapstable.errors import UserError
 from wapstable.stability.clip.autoclip import AutoClip, AutoClipHistory
 from wapstable.stability.clip.base import ClipPlan, ClipRule, no_plan
-from wapstable.targets import import_class
+from wapstable.targets import classes_in, import_class
 
 __all__ = [
     "AutoClip",
@@ -42,13 +40,7 @@ __all__ = [
 
 def builtin_rules() -> dict[str, type]:
     """The clip rules of this package by name, found in its modules (a new file is found without an edit here)."""
-    rules = {}
-    for module in pkgutil.iter_modules(__path__):
-        mod = importlib.import_module(f"{__name__}.{module.name}")
-        for obj in vars(mod).values():
-            if isinstance(obj, type) and issubclass(obj, ClipRule) and obj is not ClipRule:
-                rules[obj.name] = obj
-    return rules
+    return {cls.name: cls for cls in classes_in(__name__, __path__, ClipRule)}
 
 
 def option_names(cls: type) -> list[str]:
