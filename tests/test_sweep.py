@@ -147,10 +147,11 @@ def test_optuna_grid_runs_every_clip_mode(tmp_path, cache_dir, capsys):
     args = [
         "hparams_search=optuna",
         "hydra/sweeper/sampler=grid",
-        # the grid takes choices only: the interval params are fixed on the command line
+        # the grid takes choices only: the interval params are fixed on the command line, the clip thresholds with
+        # ++ (each clip option has its own keys; each trial is passed the one its option has)
         "optim.lr=1.0",
-        "clip.max_norm=1.0",
-        "clip.value=1.0",
+        "++clip.max_norm=1.0",
+        "++clip.value=1.0",
     ]
     proc = multirun(args, sweep, cache_dir)
     assert proc.returncode == 0, explain(proc)
@@ -206,7 +207,7 @@ def test_optuna_prunes_and_records_stopped_trials(tmp_path, cache_dir, capsys):
         "optim.lr=1.0",
         "clip=norm",
         "clip.max_norm=1.0",
-        "clip.value=1.0",
+        "++clip.value=1.0",  # fixes the search space's interval; clip=norm has no such key, so no trial is passed it
     ]
     proc = multirun(args, sweep, cache_dir)
     assert proc.returncode == 0, explain(proc)

@@ -17,6 +17,7 @@ Overrides are written so that Hydra parses them back to the value drawn: a confi
 where the grammar reads it as something else (`clip=inf` would be the float inf, and Hydra would refuse it).
 """
 
+import dataclasses
 import json
 import logging
 import math
@@ -40,6 +41,16 @@ from wapstable.train.sweep import TRIAL_ENV
 
 log = logging.getLogger(__name__)
 PARSER = OverridesParser.create()
+
+
+def schema_keys(group: str) -> set[str]:
+    """The keys the typed schema (wapstable.config.Config) gives config group `group` whatever its option: a
+    dataclass's fields; none for a group typed as a dict, whose options each bring their own keys."""
+    from wapstable.config import Config
+
+    field = next((f for f in dataclasses.fields(Config) if f.name == group), None)
+    default = field.default_factory() if field is not None and callable(field.default_factory) else None
+    return {f.name for f in dataclasses.fields(default)} if dataclasses.is_dataclass(default) else set()
 
 
 def override_text(value: Any) -> str:
@@ -158,8 +169,9 @@ class OptunaSearch:
         earlier one (a plain value there fixes a searched key)."""
         last = {}
         for override in PARSER.parse_overrides([f"{k}={v}" for k, v in self.params.items()] + arguments):
-            last.pop(override.get_key_element(), None)  # re-inserted: keeps the command line's order
-            last[override.get_key_element()] = override
+            key = override.get_key_element().lstrip("+~")  # ++clip.value=1 fixes the searched clip.value
+            last.pop(key, None)  # re-inserted: keeps the command line's order
+            last[key] = override
         space, texts, fixed = {}, {}, []
         for key, override in last.items():
             if not override.is_sweep_override():
@@ -187,9 +199,13 @@ class OptunaSearch:
         return instantiate(cfg, search_space=grid), min(self.n_trials, size)
 
     def declares(self, group: str, option: str, key: str) -> bool:
-        """Whether option `option` of config group `group` (its yaml) has the key `key`."""
+        """Whether option `option` of config group `group` has the key `key`: the typed schema gives every option of
+        the group the same keys; a group typed as a dict (clip) has the keys of each option's own yaml."""
+        top = key.split(".")[0]
+        if top in schema_keys(group):
+            return True
         loaded = self.hydra_context.config_loader.repository.load_config(f"{group}/{option}")
-        return loaded is None or key.split(".")[0] in loaded.config
+        return loaded is None or top in loaded.config
 
     def trial_overrides(self, trial: optuna.Trial, space: dict, texts: dict, fixed: list[str], info: dict):
         """A trial's job: its drawn values, the fixed overrides, and the environment that leads it to its study.
