@@ -72,3 +72,42 @@ def test_a_checkpoint_from_before_the_targets_resumes_and_evaluates(tmp_path, ca
         "pool_last": True,
     }
     assert "dense_growth" not in config["model"] and config["data"]["_target_"].endswith(".SyntheticSource")
+
+
+def test_an_old_data_name_maps_to_its_source_not_the_default():
+    """A checkpoint's data section from before data._target_ holds only data.name: the source that name was, not
+    the schema's default (synthetic), or an old CROHME checkpoint would evaluate on rendered data."""
+    from omegaconf import OmegaConf
+
+    from wapstable.config import Config, checkpoint_config
+    from wapstable.data.sources import builtin_sources
+
+    for name, cls in builtin_sources().items():
+        saved = OmegaConf.to_container(OmegaConf.structured(Config))
+        saved["data"] = {k: v for k, v in saved["data"].items() if k not in ("_target_", "options")} | {
+            "name": name
+        }
+        merged = checkpoint_config(saved, [], OmegaConf.structured(Config))
+        assert merged.data._target_ == f"{cls.__module__}.{cls.__qualname__}", name
+
+
+def test_an_old_dense_model_maps_to_the_densenet_watcher():
+    from omegaconf import OmegaConf
+
+    from wapstable.config import Config, checkpoint_config
+
+    saved = OmegaConf.to_container(OmegaConf.structured(Config))
+    model = {k: v for k, v in saved["model"].items() if k != "watcher"}
+    saved["model"] = model | {"watcher": "dense", "channels": [16, 32], "convs_per_block": 2, "dropout": 0.2}
+    saved["model"] |= {**OLD_WATCHER_KEYS, "dense_growth": 12, "dense_compression": 0.5}
+    merged = checkpoint_config(saved, [], OmegaConf.structured(Config)).model
+    assert OmegaConf.to_container(merged.watcher) == {
+        "_target_": "wapstable.model.watchers.dense.DenseWatcher",
+        "init_channels": 48,
+        "growth": 12,
+        "layers": 16,
+        "blocks": 3,
+        "compression": 0.5,
+        "dropout": 0.2,
+    }
+    assert merged.dropout == 0.2  # the parser's too
