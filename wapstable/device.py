@@ -1,6 +1,7 @@
 """The device a run computes on, and its precision: shared by training, replay, evaluation and prediction."""
 
 import contextlib
+import warnings
 
 import torch
 
@@ -24,3 +25,16 @@ def autocast(device: torch.device, precision: str):
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+@contextlib.contextmanager
+def cuda_sync_warnings():
+    """The warnings CUDA's sync debug mode raises while the block runs, one per host synchronisation (a list, filled
+    as the block runs): how the benchmark and the GPU check count syncs on CUDA."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield caught
+        finally:
+            torch.cuda.set_sync_debug_mode(0)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from wapstable.config import CONF_DIR, quote_group_options
+from wapstable.device import cuda_sync_warnings
 from wapstable.model.loss import forward_loss
 from wapstable.stability.clip import plan_clip
 from wapstable.train.loop import Trainer
@@ -87,13 +88,8 @@ class Device:
 @contextlib.contextmanager
 def count_syncs(counter: list[int]):
     """Counts CUDA host synchronisations through sync debug mode's warnings (CUDA only)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            yield
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+    with cuda_sync_warnings() as caught:
+        yield
     counter.append(sum("synchroniz" in str(w.message) for w in caught))
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from wapstable.config import CONF_DIR, quote_group_options
+from wapstable.device import cuda_sync_warnings
 from wapstable.stability.step_guard import Outcome, StepResult
 from wapstable.train.distributed import Dist
 from wapstable.train.loop import Trainer
@@ -276,13 +277,8 @@ class SyncCounter:
 
     @contextlib.contextmanager
     def _cuda_warnings(self):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                yield
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
+        with cuda_sync_warnings() as caught:
+            yield
         syncs = [w for w in caught if is_sync(w)]
         self.total = len(syncs)
         self.where.update(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
