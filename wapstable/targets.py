@@ -3,6 +3,9 @@
 import importlib
 import pkgutil
 
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
 from wapstable.errors import UserError
 
 
@@ -33,3 +36,16 @@ def classes_in(package: str, path, kind: type) -> list[type]:
             and obj.__module__ == mod.__name__
         ]
     return found
+
+
+def typed_options(schema: type, given: dict, key: str, see: str):
+    """`given` merged onto the dataclass `schema` and built: an instance whose values OmegaConf typed (a wrong type or
+    an unknown key is a UserError naming `key.FIELD` and pointing to `see`), and whose own check (a UserError raised
+    in its constructor) comes through as it was raised."""
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), given))
+    except OmegaConfBaseException as e:
+        if isinstance(e.__cause__, UserError):  # the dataclass's own check, raised inside its constructor
+            raise e.__cause__ from None
+        where = f"{key}.{e.full_key}" if getattr(e, "full_key", None) else key
+        raise UserError(f"{where}: {str(e).splitlines()[0]}; see {see}") from None

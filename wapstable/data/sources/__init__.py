@@ -10,11 +10,10 @@ import dataclasses
 from collections.abc import Sequence
 
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from wapstable.data.sources.base import DataSource
 from wapstable.errors import UserError
-from wapstable.targets import classes_in, import_class
+from wapstable.targets import classes_in, import_class, typed_options
 
 __all__ = ["DataSource", "builtin_sources", "legacy_data", "source_of", "source_splits"]
 
@@ -50,14 +49,7 @@ def source_of(cfg_data) -> DataSource:
     schema = getattr(cls, "Options", None)
     if not dataclasses.is_dataclass(schema):
         return cls(given) if given else cls()
-    try:
-        options = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), given))
-    except OmegaConfBaseException as e:
-        if isinstance(e.__cause__, UserError):  # the Options' own check, raised in its constructor
-            raise e.__cause__ from None
-        key = f"data.options.{e.full_key}" if getattr(e, "full_key", None) else "data.options"
-        raise UserError(f"{key}: {str(e).splitlines()[0]}; see {cls.__module__}'s Options") from None
-    return cls(options)
+    return cls(typed_options(schema, given, "data.options", f"{cls.__module__}'s Options"))
 
 
 def source_splits(cfg_data, which: Sequence[str]):

@@ -16,11 +16,10 @@ from typing import Protocol, runtime_checkable
 
 import torch.nn as nn
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 from torch import Tensor
 
 from wapstable.errors import UserError
-from wapstable.targets import classes_in, import_class
+from wapstable.targets import classes_in, import_class, typed_options
 
 __all__ = ["Watcher", "build_watcher", "builtin_watchers", "legacy_watcher"]
 
@@ -45,13 +44,7 @@ def builtin_watchers() -> dict[str, type]:
 
 def watcher_options(cls: type, given: dict) -> dict:
     """`given` checked against `cls.Options` (types, unknown keys), as keyword arguments."""
-    try:
-        typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls.Options), given))
-    except OmegaConfBaseException as e:
-        key = f"model.watcher.{e.full_key}" if getattr(e, "full_key", None) else "model.watcher"
-        raise UserError(
-            f"{key}: {str(e).splitlines()[0]}; see the watcher's Options in {cls.__module__}"
-        ) from None
+    typed = typed_options(cls.Options, given, "model.watcher", f"the watcher's Options in {cls.__module__}")
     return dataclasses.asdict(typed)
 
 

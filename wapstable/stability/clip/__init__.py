@@ -14,13 +14,12 @@ from collections.abc import Iterable
 
 import torch
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 from torch.nn.utils import get_total_norm
 
 from wapstable.errors import UserError
 from wapstable.stability.clip.autoclip import AutoClip, AutoClipHistory
 from wapstable.stability.clip.base import ClipPlan, ClipRule, no_plan
-from wapstable.targets import classes_in, import_class
+from wapstable.targets import classes_in, import_class, typed_options
 
 __all__ = [
     "AutoClip",
@@ -69,16 +68,7 @@ def build_clip(cfg_clip) -> ClipRule:
             "of clip={" + ",".join(builtin_rules()) + "}"
         )
     cls = rule_class(target)
-    try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), given))
-    except OmegaConfBaseException as e:
-        if isinstance(
-            e.__cause__, UserError
-        ):  # a rule's own check, raised inside the dataclass's constructor
-            raise e.__cause__ from None
-        name = getattr(cls, "name", target)
-        key = f"clip.{e.full_key}" if getattr(e, "full_key", None) else "clip"
-        raise UserError(f"{key}: {str(e).splitlines()[0]}; see conf/clip/{name}.yaml") from None
+    return typed_options(cls, given, "clip", f"conf/clip/{getattr(cls, 'name', target)}.yaml")
 
 
 def legacy_clip(saved: dict) -> dict:
