@@ -223,7 +223,7 @@ def refusal_in_process(args, run_dir, cache_dir) -> str:
     fraction of a process's cost. The families of refusals check every case this way and a few through the real
     `python train.py` (exit status, stderr, nothing written), the rest of those under `make test-all`."""
     from wapstable.errors import UserError
-    from wapstable.train.loop import train
+    from wapstable.train.stages import train
 
     cfg = compose_config([*TINY, *args], run_dir=run_dir)
     cfg.data.cache_dir = str(cache_dir)

@@ -379,7 +379,7 @@ def test_evaluate_command_on_crohme_test_sets(tmp_path, scripted_decode, capsys)
 def test_training_writes_the_hand_made_figures_to_metrics_json(tmp_path, scripted_decode):
     """A real (tiny, 3-step) training run on the CROHME files: its validation record and the final test
     evaluation of metrics.json, whose test_exprate is over both test sets' files."""
-    from wapstable.train.loop import train
+    from wapstable.train.stages import train
 
     root = write_crohme(tmp_path / "CROHME_labeled_2016")
     overrides = [*TINY, *crohme_overrides(root, tmp_path / "cache"), "logger=csv"]

@@ -44,7 +44,7 @@ def test_skipped_step_changes_nothing(tmp_path, cache_dir, optim, fault):
     for _ in range(2):  # two good steps, so the optimizer has moments and step counters
         out = trainer.train_step(trainer.stream.next())
         assert not out.skipped
-        trainer.step += 1
+        trainer.go_to_step(trainer.step + 1)
     before = snapshot(trainer)
     out = trainer.train_step(trainer.stream.next())
     # both faults reach the loss (a NaN pixel spreads through the convolutions; inf_loss multiplies it): the reason
@@ -171,7 +171,7 @@ def take(trainer, n):
     for _ in range(n):
         out = trainer.train_step(trainer.stream.next())
         assert not out.skipped, out.reason
-        trainer.step += 1
+        trainer.go_to_step(trainer.step + 1)
 
 
 @pytest.mark.parametrize("optim", ["adadelta", "adam", "sgd"])
@@ -196,7 +196,7 @@ def test_a_nonfinite_gradient_with_a_finite_loss_changes_nothing(tmp_path, cache
     saved = torch.load(out.anomaly_path, weights_only=True)["state"]
     bad = saved["anomaly"]["nonfinite_counts"]
     assert bad and all(name.startswith("watcher.") for name in bad)  # the parser's gradients were finite
-    trainer.step += 1
+    trainer.go_to_step(trainer.step + 1)
     take(trainer, 1)  # and training goes on from the untouched weights
 
 
@@ -235,7 +235,7 @@ def test_an_fp16_scaler_skip_changes_nothing(tmp_path, cache_dir):
     accepted = 0
     for _ in range(8):  # until two steps are taken (the first scale may overflow, as fp16 runs start)
         accepted += not trainer.train_step(trainer.stream.next()).skipped
-        trainer.step += 1
+        trainer.go_to_step(trainer.step + 1)
         if accepted == 2:
             break
     assert accepted == 2

@@ -321,7 +321,7 @@ def test_guide_under_bf16_and_ddp(tmp_path):
 
 
 def test_a_run_with_the_guide_logs_it_beside_the_loss(tmp_path, cache_dir):
-    from wapstable.train.loop import train
+    from wapstable.train.stages import train
 
     args = [*TINY, "trainer.max_steps=4", "trainer.eval_every=4", "trainer.checkpoint_every=4", "logger=csv",
             f"data.cache_dir={cache_dir}", "model.attention.guide.weight=1.0", "model.attention.guide.kind=kl",

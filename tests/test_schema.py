@@ -15,7 +15,6 @@ from wapstable.config import Config, checkpoint_config
 ENUM_KEYS = {
     "data.on_error": config.OnError,
     "data.bucket_by": config.BucketBy,
-    "optim.schedule": config.Schedule,
     "guard.on_budget_exhausted": config.OnBudgetExhausted,
     "fault.name": config.FaultName,
 }

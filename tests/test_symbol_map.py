@@ -141,7 +141,7 @@ def test_init_from_matches_the_heads_rows_by_token(tmp_path):
 
 
 def test_a_run_with_the_symbol_map_logs_it(tmp_path, cache_dir, caplog):
-    from wapstable.train.loop import train
+    from wapstable.train.stages import train
 
     args = [*TINY, "trainer.max_steps=4", "trainer.eval_every=4", "trainer.checkpoint_every=4", "logger=csv",
             f"data.cache_dir={cache_dir}", "model.symbol_map=1.0"]  # fmt: skip

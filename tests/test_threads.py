@@ -71,7 +71,7 @@ def unlike_this_machine() -> int:
 
 def train_on_cores(tmp_path, cache_dir, cores, monkeypatch, caplog) -> str:
     """A tiny training with trainer.threads=auto, in this process, on `cores` pretended cores; returns its log."""
-    from wapstable.train.loop import train
+    from wapstable.train.stages import train
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))

@@ -65,7 +65,7 @@ def test_same_generator_same_warp():
 
 
 def test_a_run_warps_its_batches_and_resumes_exactly(tmp_path, cache_dir):
-    from wapstable.train.loop import train
+    from wapstable.train.stages import train
 
     base = [*TINY, f"data.cache_dir={cache_dir}", "trainer.eval_every=4", "trainer.checkpoint_every=4"]
     plain = train(compose_config([*base, "trainer.max_steps=8"], run_dir=tmp_path / "plain"))

@@ -35,6 +35,7 @@ def preload() -> None:
     import wapstable.cli.train  # noqa: F401
     import wapstable.data.sources.synthetic  # noqa: F401
     import wapstable.train.loop  # noqa: F401
+    import wapstable.train.stages  # noqa: F401
 
     assert torch.get_num_threads() >= 1  # reads a setting; starts no thread pool
 

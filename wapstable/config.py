@@ -28,7 +28,6 @@ SymbolSet = StrEnum("SymbolSet", "base crohme")
 Frequencies = StrEnum("Frequencies", "grammar crohme")
 GlyphSource = StrEnum("GlyphSource", "fonts crohme")
 BucketBy = StrEnum("BucketBy", "size tokens")
-Schedule = StrEnum("Schedule", "constant cosine step")
 OnBudgetExhausted = StrEnum("OnBudgetExhausted", "stop rollback")
 FaultName = StrEnum("FaultName", "none nan_input inf_loss lr_spike attention_overflow preempt")
 GuideKind = StrEnum("GuideKind", "inside kl")
@@ -213,7 +212,9 @@ class OptimConfig:
     weight_decay: float = 1e-4
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     momentum: float = 0.0
-    schedule: Schedule = Schedule.constant
+    # a built-in schedule's name (constant | cosine | step: wapstable/train/schedules/, taking the keys below), or a
+    # node {_target_: your.Schedule, KEY: value}; checked in train.build
+    schedule: Any = "constant"
     warmup_steps: int = 0
     step_size: int = 1000
     gamma: float = 0.5

@@ -18,7 +18,7 @@ import yaml
 from wapstable.checkpoint import load_checkpoint
 from wapstable.errors import UserError
 from wapstable.stability.replay import format_range, replay, summarize
-from wapstable.train.events import strict
+from wapstable.train.summary import strict
 from wapstable.train.threads import resolve_threads
 
 

@@ -1,5 +1,5 @@
 """Training from the command line: `wapstable-train [overrides]` (or `python train.py [overrides]` in a checkout)
-composes the config and calls `wapstable.train.loop.train`.
+composes the config and calls `wapstable.train.stages.train`.
 
 Exit status: 0 done; 1 config rejected by Hydra (or a crash); 2 a user error (config, data, checkpoint, full disk);
 3 stopped by the guard; 143 stopped by SIGTERM, 144 by the preemption signal SIGUSR2 (submitit's requeue status),
@@ -26,7 +26,7 @@ def hydra_main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from wapstable.train.loop import train
+    from wapstable.train.stages import train
     from wapstable.train.sweep import pruning_callback
     from wapstable.train.threads import parallel_jobs
 

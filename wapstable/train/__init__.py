@@ -1,9 +1,11 @@
-"""The training run, by concern.
+"""The training run, as named parts that call nothing back (so no circle of calls):
 
-- `build`: config -> components, and every check that runs before a file is written
-- `state`: the training state, saved by checkpoints and snapshots and loaded by resume, rollback and the benchmark
-- `step`: one guarded step (forward with the fault, `StepGuard.step`), a skip's rollback or stop
-- `events`: evaluation, anomaly files, checkpoints, loggers, stop signals, the final summary
-- `loop`: `Trainer` (the above put together) with its `fit` loop, and `train(cfg)`
-- around them: `optim`, `loggers`, `distributed`, `signals`, `runlock`, `threads`, `sweep`
+- `build`: config -> data, model and the checks that run before a file is written
+- `parts`: `RunParts`, every component of a run built from its config (`build_parts`)
+- `record`: `RunRecord`, what the run has done (step, clock, validations, best, anomalies)
+- `checkpointer`: the run's state, saved (checkpoints, anomaly files) and loaded (resume, rollback, reset)
+- `evaluator`: validation and the final test; `runlog`: loggers, progress bar, train.log; `summary`: metrics.json
+- `loop`: `Trainer`, which takes the guarded steps and decides what follows each (evaluation, checkpoint, rollback, stop)
+- `stages`: a command as a list of stages (the pretraining, then the run) and `train(cfg)`
+- around them: `optim`, `schedules`, `loggers`, `distributed`, `signals`, `runlock`, `threads`, `sweep`
 """

@@ -25,6 +25,7 @@ from wapstable.model.wap import build_model
 from wapstable.stability.clip import build_clip
 from wapstable.stability.gradstats import validate_stats_config
 from wapstable.train.loggers import check_logger_config
+from wapstable.train.schedules import build_schedule
 
 log = logging.getLogger("wapstable")
 
@@ -41,6 +42,7 @@ def validate_config(cfg: DictConfig) -> None:
     if t.precision not in ("32", "bf16", "fp16"):
         raise UserError(f"trainer.precision={t.precision!r} is unknown; use 32, bf16 or fp16")
     build_clip(cfg.clip)  # the rule checks its own options
+    build_schedule(cfg.optim)  # and so does the schedule
     source_of(cfg.data)  # the data source, and its own options
     validate_stats_config(cfg.stats)
     check_logger_config(cfg.logger)

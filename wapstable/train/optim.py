@@ -1,15 +1,15 @@
-"""Optimizers (`optim._target_`, built by Hydra's `instantiate`) and learning-rate schedules (`optim.schedule`, a
-LambdaLR over `lr_factor`, which a rollback's back-off rescales)."""
+"""Optimizers (`optim._target_`, built by Hydra's `instantiate`) and learning-rate schedules (`optim.schedule`, one
+module each in wapstable/train/schedules/: a LambdaLR over `lr_factor`, which a rollback's back-off rescales)."""
 
 import importlib
 import inspect
-import math
 from collections.abc import Callable
 
 import torch
 from hydra.utils import instantiate
 
 from wapstable.errors import UserError
+from wapstable.train.schedules import build_schedule
 
 # The OptimConfig keys an optimizer may take, passed to its constructor when its signature has them.
 OPTIMIZER_ARGS = ("lr", "rho", "eps", "weight_decay", "betas", "momentum")
@@ -35,36 +35,24 @@ def build_optimizer(cfg_optim, params) -> torch.optim.Optimizer:
     return instantiate({"_target_": target, "_partial_": True, **args})(params)
 
 
-def lr_factor(cfg_optim, step: int, max_steps: int, time_done: float = 0.0) -> float:
-    """The multiplier of the base lr at `step`: linear warm-up, then constant, cosine or step decay.
+def lr_factor(cfg_optim, step: int, max_steps: int, time_done: float = 0.0, schedule=None) -> float:
+    """The multiplier of the base lr at `step`: linear warm-up (optim.warmup_steps), then `optim.schedule`'s factor
+    (wapstable/train/schedules/; `schedule`: that schedule, built already).
 
     `time_done` is the share of a wall-clock budget (trainer.max_minutes) already spent: the cosine follows
     whichever of steps and time runs out first, so a time-limited run still ends its schedule at the minimum.
     """
     if step < cfg_optim.warmup_steps:
         return (step + 1) / cfg_optim.warmup_steps
-    return SCHEDULES[cfg_optim.schedule](cfg_optim, step, max_steps, time_done)
-
-
-def cosine(cfg_optim, step: int, max_steps: int, time_done: float) -> float:
-    span = max(1, max_steps - cfg_optim.warmup_steps)
-    progress = min(1.0, max((step - cfg_optim.warmup_steps) / span, time_done))
-    floor = cfg_optim.min_lr_ratio
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-# optim.schedule -> the lr factor after the warm-up (the schema's Schedule Enum lists the same names).
-SCHEDULES = {
-    "constant": lambda cfg_optim, step, max_steps, time_done: 1.0,
-    "cosine": cosine,
-    "step": lambda cfg_optim, step, max_steps, time_done: cfg_optim.gamma ** (step // cfg_optim.step_size),
-}
+    return (schedule or build_schedule(cfg_optim)).factor(step, max_steps, time_done)
 
 
 def build_scheduler(
     cfg_optim, optimizer, max_steps: int, time_done: Callable[[], float] | None = None
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """LambdaLR over lr_factor; `time_done()` gives the share of the wall-clock budget spent (None: no budget)."""
+    schedule = build_schedule(cfg_optim)
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(cfg_optim, step, max_steps, time_done() if time_done else 0.0)
+        optimizer,
+        lambda step: lr_factor(cfg_optim, step, max_steps, time_done() if time_done else 0.0, schedule),
     )
