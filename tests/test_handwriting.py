@@ -783,14 +783,19 @@ def test_crohme_pretraining_on_real_symbols_takes_the_run_s_folders(tmp_path, ca
     assert bank.parent.name in {k.get("glyph_bank") for k in keys}
 
 
-def test_pretrain_mix_puts_rendered_expressions_into_the_real_training_split(tmp_path, cache_dir):
+def test_pretrain_mix_puts_rendered_expressions_into_the_real_training_split(
+    tmp_path, cache_dir, monkeypatch
+):
     """pretrain.mix=N: N rendered expressions of the pretraining's data join the CROHME training split (no
-    pretraining needed), a validation label among them is left out, and the run trains on both."""
+    pretraining needed; a MixSource of the two sources), a validation label among them is left out, and the run
+    trains on both."""
     from conftest import compose_config
     from test_crohme import published_layout
 
     from wapstable.data.batches import load_splits
-    from wapstable.train.build import rendered_mix
+    from wapstable.data.sources import mix
+    from wapstable.data.sources.base import DataSource
+    from wapstable.train.build import mixed_source
 
     root = published_layout(tmp_path / "CROHME_labeled_2016")
     args = [
@@ -811,13 +816,22 @@ def test_pretrain_mix_puts_rendered_expressions_into_the_real_training_split(tmp
 
     # a rendered expression whose label is a validation label is left out
     cfg = compose_config([*args, "debug=tiny", f"data.cache_dir={cache_dir}"])
-    mixed = rendered_mix(cfg, [])
-    assert len(mixed) == 6 and all(s.id.startswith("rendered-") and s.boxes is not None for s in mixed)
-    assert all(s.image.dtype == np.uint8 and s.image.shape[0] <= 32 for s in mixed)  # the run's raster
-    held = [mixed[0], mixed[3]]
-    kept = rendered_mix(cfg, held)
-    assert [s.tokens for s in kept] == [
-        s.tokens for s in mixed if s.tokens not in (held[0].tokens, held[1].tokens)
+    source = mixed_source(cfg)
+    rendered = mix.source_of(source.extra_cfg).splits(source.extra_cfg, ["train"])["train"]
+    assert len(rendered) == 6 and all(s.boxes is not None for s in rendered)
+    assert all(s.image.dtype == np.uint8 and s.image.shape[0] <= 32 for s in rendered)  # the run's raster
+    held = [rendered[0], rendered[3]]
+
+    class Base(DataSource):  # a base source whose validation labels are two of the rendered ones
+        def splits(self, cfg_data, which):
+            return {k: {"train": [], "valid": held, "test": []}[k] for k in which}
+
+    real_source_of = mix.source_of
+    monkeypatch.setattr(mix, "source_of", lambda c: Base() if c is cfg.data else real_source_of(c))
+    kept = source.splits(cfg.data, ["train"])
+    assert set(kept) == {"train"} and all(s.id.startswith("rendered-") for s in kept["train"])
+    assert [s.tokens for s in kept["train"]] == [
+        s.tokens for s in rendered if s.tokens not in (held[0].tokens, held[1].tokens)
     ]
 
     for bad, says in (

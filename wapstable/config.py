@@ -280,7 +280,10 @@ class PretrainConfig:
     # the run's optimizer) in RUN_DIR/pretrain, and start the run from its best checkpoint (as init_from=)
     steps: int = 0
     eval_every: int = 500
-    data: dict[str, Any] = field(default_factory=dict)  # data.KEY values on top of conf/data/synthetic.yaml
+    # the rendered data as composed (conf/config.yaml puts conf/data/synthetic.yaml here), and data.KEY values on
+    # top of it
+    rendered: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
     # > 0: this many rendered training expressions of that data (pretrain.data) join a real data set's training
     # split, beside its own (the validation labels left out); with or without pretrain.steps
     mix: int = 0
@@ -380,6 +383,11 @@ LEGACY_LOGGERS = {
 }
 
 
+def rendered_defaults() -> DictConfig:
+    """conf/data/synthetic.yaml as it is: the rendered data of a config composed before pretrain.rendered was."""
+    return OmegaConf.load(CONF_DIR / "data" / "synthetic.yaml")
+
+
 def checkpoint_config(saved: dict, keys: list[str], source: DictConfig) -> DictConfig:
     """A checkpoint's config in this version's schema (its run_dir and resume dropped), with each of `keys` taken
     from `source` (the command line's composed config): whole groups first, then single keys on top. Used by a
@@ -409,6 +417,11 @@ def checkpoint_config(saved: dict, keys: list[str], source: DictConfig) -> DictC
         from wapstable.stability.clip import legacy_clip
 
         saved["clip"] = legacy_clip(saved["clip"])
+    pretrain = saved.get("pretrain")
+    if isinstance(pretrain, dict) and not pretrain.get(
+        "rendered"
+    ):  # from before pretrain.rendered was composed
+        saved["pretrain"] = {**pretrain, "rendered": OmegaConf.to_container(rendered_defaults())}
     optim = saved.get("optim")
     if isinstance(optim, dict) and "_target_" not in optim:  # checkpoints from before optim._target_
         saved["optim"] = {**optim, "_target_": LEGACY_OPTIMIZERS.get(optim.get("name"), OptimConfig._target_)}

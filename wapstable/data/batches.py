@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from wapstable.config import BucketBy
 from wapstable.data.sample import Sample, Splits
-from wapstable.data.sources import source_of, source_splits
+from wapstable.data.sources import source_of
 from wapstable.data.vocab import Vocab
 from wapstable.errors import UserError
 
@@ -39,12 +39,13 @@ class Batch(NamedTuple):
         return Batch(*(t.to(device, non_blocking=True) for t in self[:4]), self.ids, regions)
 
 
-def load_splits(cfg_data, which: Sequence[str] = SPLITS, ink=None) -> Splits:
-    """The samples of the data source `data.name` by split; `which` splits to read (an evaluation needs one).
+def load_splits(cfg_data, which: Sequence[str] = SPLITS, ink=None, source=None) -> Splits:
+    """The samples of the data source `data._target_` names (or of `source`, read with `cfg_data`) by split; `which`
+    splits to read (an evaluation needs one).
 
     With data.normalize, every image is brought to the ink `ink` (an InkStats: a checkpoint's), or for a new
     model to data.ink_stroke / data.ink_symbol (data/normalize.py)."""
-    splits = source_splits(cfg_data, which)
+    splits = (source or source_of(cfg_data)).splits(cfg_data, which)
     splits = splits if isinstance(splits, Splits) else Splits(splits)
     if cfg_data.get("normalize", False):
         from wapstable.data.normalize import InkStats, normalize

@@ -13,11 +13,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from wapstable.checkpoint import load_checkpoint
-from wapstable.config import CONF_DIR, Config, DataConfig, checkpoint_config
+from wapstable.config import Config, DataConfig, checkpoint_config, rendered_defaults
 from wapstable.data.batches import BatchStream, check_labels, filter_samples, load_splits, load_vocab
 from wapstable.data.normalize import InkStats
 from wapstable.data.pixel_aug import check_pixel_aug
 from wapstable.data.sources import source_of
+from wapstable.data.sources.mix import MixSource
 from wapstable.data.vocab import Vocab
 from wapstable.errors import UserError
 from wapstable.eval.evaluation import check_length_power, check_scales
@@ -177,12 +178,11 @@ def load_resume(cfg: DictConfig, run_dir: Path, overrides: list[str] | None):
 
 
 def pretrain_data(cfg: DictConfig) -> DictConfig:
-    """The rendered data of pretrain.steps and pretrain.mix: data=synthetic's defaults with pretrain.data's keys on
-    top, in the run's cache; with glyphs=crohme, the symbols are cut from the run's own training folder (data.root,
+    """The rendered data of pretrain.steps and pretrain.mix: pretrain.rendered (data=synthetic as Hydra composed it)
+    with pretrain.data's keys on top, in the run's cache; with glyphs=crohme, the symbols are cut from the run's own training folder (data.root,
     data.train, its validation hold-out excluded) unless pretrain.data names another."""
     p = cfg.pretrain
-    synthetic = OmegaConf.load(CONF_DIR / "data" / "synthetic.yaml")
-    data = OmegaConf.merge(OmegaConf.structured(DataConfig), synthetic, p.data)
+    data = OmegaConf.merge(OmegaConf.structured(DataConfig), p.rendered or rendered_defaults(), p.data)
     data.cache_dir = cfg.data.cache_dir
     if str(data.glyphs) == "crohme":
         take_run_keys(data, cfg, ("root", "train", "valid_fraction"))
@@ -196,39 +196,28 @@ def take_run_keys(data: DictConfig, cfg: DictConfig, keys) -> None:
             data[key] = cfg.data[key]
 
 
-def rendered_mix(cfg: DictConfig, valid: list) -> list:
-    """pretrain.mix > 0: that many rendered training expressions of the pretraining's data (pretrain_data), drawn
-    with the run's raster (data.scale, height, symbol_size, line_width, unless pretrain.data sets them), to be mixed
-    into a real training split; an expression whose label is a validation label is left out, so the validation
-    split stays unseen."""
-    from wapstable.data.sources.synthetic import build_splits
-
+def mixed_source(cfg: DictConfig) -> MixSource | None:
+    """pretrain.mix > 0: the run's data source combined with that many rendered training expressions of the
+    pretraining's data (pretrain_data), drawn with the run's raster (data.scale, height, symbol_size, line_width,
+    unless pretrain.data sets them); None otherwise."""
     n = OmegaConf.select(cfg, "pretrain.mix", default=0)
     if n <= 0:
-        return []
+        return None
     data = pretrain_data(cfg)
     data.num_train = n
-    # drawn as the run's own images are
-    take_run_keys(data, cfg, ("scale", "height", "symbol_size", "line_width"))
-    held = {" ".join(s.tokens) for s in valid}
-    rendered = build_splits(data)["train"]
-    mixed = [s._replace(id=f"rendered-{s.id}") for s in rendered if " ".join(s.tokens) not in held]
-    log.info(
-        "pretrain.mix: %d rendered expressions in the training split (%d left out: a validation label)",
-        len(mixed),
-        len(rendered) - len(mixed),
-    )
-    return mixed
+    take_run_keys(
+        data, cfg, ("scale", "height", "symbol_size", "line_width")
+    )  # drawn as the run's own images are
+    return MixSource(data, prefix="rendered-", what="pretrain.mix", kind="rendered")
 
 
 def build_data(cfg: DictConfig, resume_state: dict | None) -> tuple[dict, Vocab]:
     """The three splits, checked against the vocabulary (the checkpoint's when resuming) and filtered as WAP does;
-    with pretrain.mix, rendered expressions join the training split."""
+    with pretrain.mix, rendered expressions join the training split (a MixSource of the two)."""
     d = cfg.data
     ink = InkStats.from_dict(resume_state.get("ink_stats")) if resume_state is not None else None
-    splits = load_splits(d, ink=ink)
+    splits = load_splits(d, ink=ink, source=mixed_source(cfg))
     vocab = Vocab(list(resume_state["vocab"])) if resume_state is not None else load_vocab(d, splits)
-    splits["train"] = list(splits["train"]) + rendered_mix(cfg, splits["valid"])
     for split in splits:
         samples = check_labels(splits[split], vocab, d.on_error)
         if split == "train":
