@@ -192,7 +192,7 @@ def conf_loggers() -> list[str]:
     "args, says",
     [
         (["logger.csv.file=7"], None),  # a number is a fine file name: accepted as the string "7"
-        (["logger.wandb.mode=sometimes"], "logger.wandb: Invalid value 'sometimes'"),
+        (["logger.wandb.mode=sometimes"], "logger.wandb.mode: Invalid value 'sometimes'"),
         (["logger.csv._target_=wapstable.train.loggers.NoSuchLogger"], "logger.csv._target_="),
         (["logger.csv._target_=null"], "logger.csv names no class: give it a _target_"),
     ],

@@ -44,7 +44,7 @@ def test_wandb_mode_is_checked_by_its_logger_s_schema(tmp_path, cache_dir):
     """logger.wandb.mode against WandbLogger.Options (each logger's keys are its own), before the run starts."""
     require_extra("wandb", "loggers")
     said = refusal_in_process(["logger=wandb", "logger.wandb.mode=onlin"], tmp_path / "run", cache_dir)
-    assert said.startswith("logger.wandb: Invalid value 'onlin'") and "offline" in said
+    assert said.startswith("logger.wandb.mode: Invalid value 'onlin'") and "offline" in said
 
 
 def test_a_checkpoint_config_with_a_wrong_value_is_refused():

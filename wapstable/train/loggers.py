@@ -35,10 +35,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from wapstable.errors import UserError
-from wapstable.targets import import_class
+from wapstable.targets import import_class, typed_options
 
 # Every scalar a run logs, in the CSV's column order. Steps count the optimizer steps done (1-based): the row of
 # step N holds the N-th training step, its gradient statistics, and the evaluation and rollback that followed it.
@@ -121,10 +120,7 @@ def options(name: str, cls: type, opts) -> dict[str, Any]:
     schema = getattr(cls, "Options", None)
     if schema is None or not is_dataclass(schema):
         return given
-    try:
-        typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), given))
-    except OmegaConfBaseException as e:
-        raise UserError(f"logger.{name}: {str(e).splitlines()[0]}; see conf/logger/{name}.yaml") from None
+    typed = typed_options(schema, given, f"logger.{name}", f"conf/logger/{name}.yaml")
     return {k: (str(v) if isinstance(v, StrEnum) else v) for k, v in asdict(typed).items()}
 
 
