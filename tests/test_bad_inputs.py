@@ -82,7 +82,7 @@ BAD_CONFIG = [
     (["clip.max_norm=-1"], 2, ["error: clip.max_norm=-1.0 must be positive for clip=norm"]),
     (["clip=value", "clip.value=0"], 2, ["error: clip.value=0.0 must be positive for clip=value"]),
     (["trainer.max_steps=0"], 2, ["error: trainer.max_steps=0 must be a positive number of steps"]),
-    (["data.bucket_by=width"], 1, ["Invalid value 'width', expected one of [size, tokens]"]),
+    (["data.batch.bucket_by=width"], 1, ["Invalid value 'width', expected one of [size, tokens]"]),
     (
         ["optim._target_=torch.optim.Nope"],
         2,

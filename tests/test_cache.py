@@ -18,7 +18,7 @@ import pytest
 from conftest import TINY, compose_config, run_train
 from omegaconf import DictConfig, OmegaConf
 
-from wapstable.config import DataConfig, PixelAugConfig
+from wapstable.config import BatchConfig, DataConfig, PixelAugConfig
 from wapstable.data import cache
 from wapstable.data.batches import load_splits
 from wapstable.data.ink import bank as ink_bank
@@ -340,13 +340,8 @@ NOT_PIXELS = {
     "render_workers": "how many processes render or read: the same pixels with any number (seeded per sample)",
     "dictionary": "the vocabulary file, read apart from the images (batches.load_vocab)",
     "on_error": "what a bad file does to the run; every bad file is cached as an error and judged on each load",
-    "bucket_by": "batching",
-    "curriculum_epochs": "batching order",
-    "pixel_budget": "batching",
-    "max_batch": "batching",
-    "max_image_pixels": "a filter on the loaded training samples (build.build_data)",
-    "max_tokens": "a filter on the loaded training samples (build.build_data)",
-    "num_workers": "DataLoader processes",
+    # batching and its order, the filters on the loaded training samples (build.build_data), DataLoader processes
+    "batch": "how the loaded samples are batched (data.batch.*), after the cache",
 }
 NOT_TRIED = {
     "name",
@@ -370,6 +365,7 @@ def other(key: str, value, context: str, roots: dict):
         "pixel_aug": lambda: PixelAugConfig([0.7, 1.4], 0.5, 0.5, 0.5),
         "dictionary": lambda: "dictionary.txt",
         "render_workers": lambda: 2,
+        "batch": lambda: BatchConfig("tokens", 1, 99999, 3, 10**7, 500, 1),  # every batching key changed
     }
     if key in special:
         return special[key]()

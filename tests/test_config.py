@@ -39,7 +39,7 @@ def test_defaults():
     assert cfg.model.attention.stable is True and cfg.model.attention.position_features == 32
     assert cfg.guard.skip_nonfinite and cfg.guard.max_consecutive_skips == 5
     # the default run's recipe (docs/studies/recipes.md): data kept at difficulty 2, rendered at 28 pt
-    assert cfg.data.difficulty == 2 and cfg.data.font_size == 28 and cfg.data.bucket_by == "tokens"
+    assert cfg.data.difficulty == 2 and cfg.data.font_size == 28 and cfg.data.batch.bucket_by == "tokens"
     assert cfg.optim.lr == 3e-3 and cfg.optim.schedule == "cosine" and cfg.optim.warmup_steps == 150
     assert cfg.trainer.max_minutes == 7.5 and list(cfg.model.watcher.block_convs) == [1, 1, 2, 2]
     # WAP's Adadelta is one option away
@@ -102,10 +102,10 @@ def test_experiment_presets(name):
         # no curriculum on CROHME after the pretraining, which keeps the rendered data's own (shortest labels first)
         from wapstable.train.build import pretrain_data
 
-        assert cfg.data.curriculum_epochs == 0 and pretrain_data(cfg).curriculum_epochs == 1
+        assert cfg.data.batch.curriculum_epochs == 0 and pretrain_data(cfg).batch.curriculum_epochs == 1
         return
     # the papers' recipes: Adadelta lr 1.0, batch 8, global-norm clip 100, beam 10, no wall-clock limit
-    assert cfg.data.name == "crohme" and cfg.data.max_batch == 8 and cfg.trainer.max_minutes == 0
+    assert cfg.data.name == "crohme" and cfg.data.batch.max_batch == 8 and cfg.trainer.max_minutes == 0
     assert cfg.optim.name == "adadelta" and cfg.optim.lr == 1.0 and cfg.optim.weight_decay == 1e-4
     assert (
         cfg.clip._target_.endswith(".NormClip")

@@ -67,7 +67,7 @@ def test_token_buckets_cut_decoding_steps():
     lengths = [len(data[b[0]].tokens) for b in by_tokens]
     assert lengths == sorted(lengths)
     assert decoder_steps(by_tokens) < 0.8 * decoder_steps(by_size)
-    with pytest.raises(ValueError, match="data.bucket_by"):
+    with pytest.raises(ValueError, match="data.batch.bucket_by"):
         make_batches(data, 20000, 6, bucket_by="width")
 
 

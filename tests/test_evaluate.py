@@ -258,7 +258,7 @@ def test_predict_prints_latex_and_draws_attention(tiny_run, tmp_path):
 # train.py on real-data formats
 
 TRUTHS = [r"$x^2$", r"$\frac{1}{2}$", r"$a+b$", r"$\sqrt{x}$", r"$x_1$", r"$\left( a \right)$"]
-SMALL = ["data.height=32", "data.pixel_budget=20000", "data.max_image_pixels=20000"]
+SMALL = ["data.height=32", "data.batch.pixel_budget=20000", "data.batch.max_image_pixels=20000"]
 
 
 def crohme_root(tmp_path):

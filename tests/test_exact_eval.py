@@ -339,7 +339,7 @@ def test_evaluate_command_prints_and_writes_the_hand_made_figures(tmp_path, scri
 
     for args, beam in (([], 10), (["decode.beam_size=1"], 1)):
         out = tmp_path / f"beam{beam}.json"
-        assert cli.main([str(ckpt), "data.max_batch=3", *args, "--out", str(out)]) == 0
+        assert cli.main([str(ckpt), "data.batch.max_batch=3", *args, "--out", str(out)]) == 0
         rows = table_rows(capsys.readouterr().out)
         assert [row for row in rows if row[0] in {r[0] for r in PLAIN_ROWS}] == PLAIN_ROWS
         result = json.loads(out.read_text())
@@ -365,7 +365,7 @@ def test_evaluate_command_on_crohme_test_sets(tmp_path, scripted_decode, capsys)
     beams = scripted_decode(test, vocab)
 
     out = tmp_path / "eval.json"
-    assert cli.main([str(ckpt), "split=test", "data.max_batch=2", "--out", str(out)]) == 0
+    assert cli.main([str(ckpt), "split=test", "data.batch.max_batch=2", "--out", str(out)]) == 0
     rows = {row[0]: row for row in table_rows(capsys.readouterr().out)}
     assert rows["2014"] == SET_ROWS["2014"] and rows["2016"] == SET_ROWS["2016"]
     assert rows["test"] == ["test", "set", "total", "read", "ExpRate", "<=1", "<=2", "<=3", "WER"]

@@ -1,7 +1,7 @@
 """A checkpoint written before the parts were built from `_target_` still resumes and evaluates: its clip section
 (`clip.mode` and every mode's keys flat, AutoClip's history under guard.history), its watcher (`model.watcher: vgg`
-and the watchers' keys flat in `model`) and its data source (`data.name` alone) map onto today's rules, watchers
-and sources."""
+and the watchers' keys flat in `model`), its data source (`data.name` alone, the batching keys flat in `data`) and
+its pretraining's data (no `pretrain.rendered`) map onto today's rules, watchers, sources and sections."""
 
 from conftest import run_train
 
@@ -35,6 +35,10 @@ def make_old(state: dict) -> None:
         data.pop("_target_") == "wapstable.data.sources.synthetic.SyntheticSource"
         and data.pop("options") == {}
     )
+    data |= data.pop("batch")  # the batching keys flat in data, as before data.batch
+    data["max_batch"] = 5  # a value of its own, which must survive the mapping
+    for section in ("rendered", "data"):  # and so in the pretraining's data, before pretrain.rendered
+        config["pretrain"][section] = {}
 
 
 def test_a_checkpoint_from_before_the_targets_resumes_and_evaluates(tmp_path, cache_dir):
@@ -54,6 +58,8 @@ def test_a_checkpoint_from_before_the_targets_resumes_and_evaluates(tmp_path, ca
     model, _, cfg = load_model(run / "checkpoints" / "best.pt")  # evaluate.py's and predict.py's reader
     assert type(model.watcher).__name__ == "VGGWatcher" and model.watcher.stride == 16
     assert cfg.data._target_.endswith(".SyntheticSource") and cfg.clip._target_.endswith(".AutoClip")
+    assert cfg.data.batch.max_batch == 5 and "max_batch" not in cfg.data
+    assert cfg.pretrain.rendered.name == "synthetic"  # conf/data/synthetic.yaml, as such a config's pretraining read
 
     run_train(["resume=auto", "trainer.max_steps=4", "trainer.checkpoint_every=4"], run, cache_dir)
     resumed = load_checkpoint(run / "checkpoints" / "last.pt")

@@ -14,7 +14,7 @@ from wapstable.config import Config, checkpoint_config
 # key -> its Enum; the groups whose option sets the key are composed too
 ENUM_KEYS = {
     "data.on_error": config.OnError,
-    "data.bucket_by": config.BucketBy,
+    "data.batch.bucket_by": config.BucketBy,
     "guard.on_budget_exhausted": config.OnBudgetExhausted,
     "fault.name": config.FaultName,
 }

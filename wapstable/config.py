@@ -8,7 +8,7 @@ so an installed `wapstable-train` composes the same configs as `python train.py`
 """
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -97,6 +97,34 @@ class PixelAugConfig:
     pen: float = 0.0
     blur: float = 0.0
     binarize: float = 0.0
+
+
+@dataclass
+class BatchConfig:
+    """`data.batch`: how any source's samples are batched, as in WAP: sorted, then each batch filled under a pixel
+    budget."""
+
+    bucket_by: BucketBy = BucketBy.size  # sort by image size (WAP) or by label length (tokens)
+    curriculum_epochs: int = 0  # the first N epochs go from the shortest labels to the longest; 0 = shuffled
+    pixel_budget: int = 120000
+    max_batch: int = 16
+    max_image_pixels: int = 120000  # larger images are dropped, as WAP does
+    max_tokens: int = 200  # longer labels are dropped
+    num_workers: int = 0
+
+
+BATCH_KEYS = tuple(f.name for f in fields(BatchConfig))
+
+
+def nest_batch_keys(data: dict) -> dict:
+    """A data config from before `data.batch`: its batching keys moved into it (others kept as they are)."""
+    if not isinstance(data, dict) or not any(k in data for k in BATCH_KEYS):
+        return data
+    moved = {k: data[k] for k in BATCH_KEYS if k in data}
+    return {
+        **{k: v for k, v in data.items() if k not in BATCH_KEYS},
+        "batch": {**moved, **(data.get("batch") or {})},
+    }
 
 
 @dataclass
@@ -191,14 +219,7 @@ class DataConfig:
     symbol_size: int = 24
     line_width: int = 2
     on_error: OnError = OnError.fail
-    # batching as in WAP: sort, fill under a pixel budget; sort by image size (WAP) or by label length (tokens)
-    bucket_by: BucketBy = BucketBy.size
-    curriculum_epochs: int = 0  # the first N epochs go from the shortest labels to the longest; 0 = shuffled
-    pixel_budget: int = 120000
-    max_batch: int = 16
-    max_image_pixels: int = 120000  # larger images are dropped, as WAP does
-    max_tokens: int = 200  # longer labels are dropped
-    num_workers: int = 0
+    batch: BatchConfig = field(default_factory=BatchConfig)  # how the samples are batched (data.batch.*)
 
 
 @dataclass
@@ -404,6 +425,17 @@ def checkpoint_config(saved: dict, keys: list[str], source: DictConfig) -> DictC
             else opts
             for name, opts in loggers.items()
             if opts is not None  # the old schema kept every logger, None where not chosen
+        }
+    if isinstance(saved.get("data"), dict):  # from before data.batch
+        saved["data"] = nest_batch_keys(saved["data"])
+    if isinstance(saved.get("pretrain"), dict):
+        saved["pretrain"] = {
+            **saved["pretrain"],
+            **{
+                k: nest_batch_keys(saved["pretrain"][k])
+                for k in ("data", "rendered")
+                if k in saved["pretrain"]
+            },
         }
     if isinstance(saved.get("data"), dict) and "_target_" not in saved["data"]:  # from before data._target_
         from wapstable.data.sources import legacy_data

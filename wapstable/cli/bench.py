@@ -339,7 +339,7 @@ def bench_data(base: list[str], tmp: Path, fit_steps: int, renders: int, dev: De
         "step_s": total / fit_steps,
         "data_wait_s": wait / fit_steps,
         "data_wait_share": wait / total,
-        "num_workers": int(d.num_workers),
+        "num_workers": int(d.batch.num_workers),
         "render_images_per_s": renders / render_s,
         "render_workers": int(d.render_workers),
         "render_difficulty": int(d.difficulty),
@@ -389,7 +389,9 @@ def main(argv: list[str] | None = None) -> int:
             # The guard's cost on a larger model: DenseWAP (5.4 M parameters, many BatchNorm layers), batch 8.
             log.info("guard vs plain loop on model=densewap")
             dense = StepBench(
-                [*base, "model=densewap", "data.max_batch=8"], size["dense_steps"], Path(tmp) / "densewap"
+                [*base, "model=densewap", "data.batch.max_batch=8"],
+                size["dense_steps"],
+                Path(tmp) / "densewap",
             )
             res["guard_vs_plain"]["densewap"] = bench_guard_vs_plain(dense, size["dense_repeats"])
         log.info("anomaly checkpoint and localisation")

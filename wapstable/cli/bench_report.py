@@ -15,7 +15,7 @@ TARGETS = {  # upper bounds, reported and never asserted
     "guard vs plain loop": 1.01,  # the same clipping by hand: what the guard's decisions cost
     "statistics vs guard": 1.01,
     "stable vs naive attention": 1.0,
-    # With data.num_workers=0 loading is in series with the step: under 5% it is not what limits a run.
+    # With data.batch.num_workers=0 loading is in series with the step: under 5% it is not what limits a run.
     "data wait share": 0.05,
 }
 

@@ -69,7 +69,7 @@ MODELS = ("default", "densewap")  # default: the config's own model (conf/config
 TIME_LIMIT_S = 300.0
 # Every check's trainer: no statistics (their rows are not what is checked, and they would add syncs on their own
 # steps), batches in shuffled order rather than the first epoch's shortest labels first.
-COMMON = ["trainer.progress=false", "stats.every=0", "data.curriculum_epochs=0"]
+COMMON = ["trainer.progress=false", "stats.every=0", "data.batch.curriculum_epochs=0"]
 # The full check keeps the config's model, image and batch sizes but renders only a few hundred images.
 FULL_DATA = ["data.num_train=256", "data.num_valid=8", "data.num_test=8"]
 # --quick: debug=tiny, and a DenseNet watcher of the same shape but 2 layers per block.

@@ -6,7 +6,7 @@
 Each image is brought to the training convention first: gray, ink bright on a dark background (`--invert auto`
 inverts an image whose background is bright, such as a scan or a rendering of dark ink on white), background
 removed, cropped to the ink plus a 4 px margin, and scaled to `--height` rows (default: data.height for a model
-trained on CROHME InkML at data.scale=height; otherwise the image's own size, shrunk only if over data.max_image_pixels). A model reads
+trained on CROHME InkML at data.scale=height; otherwise the image's own size, shrunk only if over data.batch.max_image_pixels). A model reads
 best at the scale it was trained on: for a synthetic-data model, type of its data.font_size (28 pt) at 72 dpi.
 `--attention out.png` draws, per image, the prepared image and one panel per decoded token with the attention
 the model paid while emitting it. Exit code 2: an unreadable checkpoint or image, named on stderr.
@@ -66,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     for f in args.images:
         try:
             images.append(
-                prepare_image(read_image(f), args.invert, height, cfg.data.max_image_pixels, model.ink_stats)
+                prepare_image(
+                    read_image(f), args.invert, height, cfg.data.batch.max_image_pixels, model.ink_stats
+                )
             )
         except UserError as e:
             raise UserError(f"{f}: {e}" if str(f) not in str(e) else str(e)) from None

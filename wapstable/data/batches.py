@@ -113,7 +113,7 @@ def filter_samples(samples: list[Sample], max_image_pixels: int, max_tokens: int
     kept = [s for s in samples if s.image.size <= max_image_pixels and len(s.tokens) <= max_tokens]
     if len(kept) < len(samples):
         log.info(
-            "dropped %d of %d samples over data.max_image_pixels=%d or data.max_tokens=%d",
+            "dropped %d of %d samples over data.batch.max_image_pixels=%d or data.batch.max_tokens=%d",
             len(samples) - len(kept),
             len(samples),
             max_image_pixels,
@@ -126,9 +126,9 @@ BUCKETS = tuple(b.value for b in BucketBy)  # the schema's choices, for callers 
 
 
 def check_bucket_by(bucket_by: str) -> None:
-    """Refuse a data.bucket_by that make_batches does not know, naming the options."""
+    """Refuse a data.batch.bucket_by that make_batches does not know, naming the options."""
     if bucket_by not in BUCKETS:
-        raise UserError(f"data.bucket_by={bucket_by!r} is unknown; use size (WAP's) or tokens")
+        raise UserError(f"data.batch.bucket_by={bucket_by!r} is unknown; use size (WAP's) or tokens")
 
 
 def make_batches(
@@ -290,7 +290,7 @@ class BatchStream:
             self._iter = None
             raise UserError(
                 f"a data-loading worker failed ({e}) while reading training batch {self.index} of epoch "
-                f"{self.epoch}; rerun with data.num_workers=0 to see the error in the main process, or give "
+                f"{self.epoch}; rerun with data.batch.num_workers=0 to see the error in the main process, or give "
                 "the workers more memory (shared memory, /dev/shm, in a container)"
             ) from e
         self.index += 1

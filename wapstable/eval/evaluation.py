@@ -259,7 +259,7 @@ def prepare_image(
     rendering of dark ink on white; "yes" / "no" force it. The background level is then subtracted and the
     contrast stretched, so a gray scan background becomes the 0 the model was trained on. `height` scales the
     cropped image (margin included) to that many rows; `max_pixels` shrinks a larger image to fit (the trainer
-    drops training images over data.max_image_pixels, so the model never saw bigger ones).
+    drops training images over data.batch.max_image_pixels, so the model never saw bigger ones).
     """
     if invert not in ("auto", "yes", "no"):
         raise UserError(f"invert={invert!r} is unknown; use auto, yes or no")

@@ -69,8 +69,10 @@ def validate_config(cfg: DictConfig) -> None:
             "pretrain.mix adds rendered expressions to a real data set's training split, and data=synthetic is "
             "rendered already; set pretrain.mix=0 or raise data.num_train"
         )
-    if d.curriculum_epochs < 0:
-        raise UserError(f"data.curriculum_epochs={d.curriculum_epochs} must be >= 0 (0 = no curriculum)")
+    if d.batch.curriculum_epochs < 0:
+        raise UserError(
+            f"data.batch.curriculum_epochs={d.batch.curriculum_epochs} must be >= 0 (0 = no curriculum)"
+        )
     if not d.get("warp", 0) >= 0:
         raise UserError(f"data.warp={d.warp} must be >= 0 (0 turns the per-step warp off)")
     if d.get("pixel_aug") is not None:
@@ -85,8 +87,8 @@ def validate_config(cfg: DictConfig) -> None:
             f"data.redraw={d.redraw} draws CROHME's training strokes again, and data={d.name} has no strokes; "
             "set data.redraw=0"
         )
-    if d.pixel_budget <= 0 or d.max_batch <= 0:
-        raise UserError("data.pixel_budget and data.max_batch must be positive")
+    if d.batch.pixel_budget <= 0 or d.batch.max_batch <= 0:
+        raise UserError("data.batch.pixel_budget and data.batch.max_batch must be positive")
     if cfg.decode.max_len <= 0 or cfg.decode.beam_size <= 0 or cfg.decode.final_beam_size <= 0:
         raise UserError("decode.max_len, decode.beam_size and decode.final_beam_size must be positive")
     check_scales(cfg.decode.scales)
@@ -221,10 +223,10 @@ def build_data(cfg: DictConfig, resume_state: dict | None) -> tuple[dict, Vocab]
     for split in splits:
         samples = check_labels(splits[split], vocab, d.on_error)
         if split == "train":
-            samples = filter_samples(samples, d.max_image_pixels, d.max_tokens)
+            samples = filter_samples(samples, d.batch.max_image_pixels, d.batch.max_tokens)
         if not samples:
             raise UserError(
-                f"no {split} sample is left after filtering; raise data.max_image_pixels or data.max_tokens"
+                f"no {split} sample is left after filtering; raise data.batch.max_image_pixels or data.batch.max_tokens"
             )
         splits[split] = samples
     for folder, reasons in splits.report["skipped"].items():
@@ -249,14 +251,14 @@ def build_stream(cfg: DictConfig, splits: dict, vocab: Vocab, rank: int, world_s
     return BatchStream(
         splits["train"],
         vocab,
-        d.pixel_budget,
-        d.max_batch,
+        d.batch.pixel_budget,
+        d.batch.max_batch,
         cfg.seed,
         rank=rank,
         world_size=world_size,
-        num_workers=d.num_workers,
-        bucket_by=d.bucket_by,
-        curriculum_epochs=d.curriculum_epochs,
+        num_workers=d.batch.num_workers,
+        bucket_by=d.batch.bucket_by,
+        curriculum_epochs=d.batch.curriculum_epochs,
     )
 
 

@@ -27,8 +27,10 @@ BUILTIN = {
 
 
 def builtin_sources() -> dict[str, type]:
-    """The sources of this package by name, found in its modules (imports every source: for listings and tests)."""
-    return {cls.name: cls for cls in classes_in(__name__, __path__, DataSource)}
+    """The sources of this package that a `data._target_` names, by name, found in its modules (imports every source:
+    for listings and tests); a source that combines others (mix.py: built by the trainer, not from a yaml) is not
+    one of them."""
+    return {cls.name: cls for cls in classes_in(__name__, __path__, DataSource) if not cls.combines}
 
 
 def source_of(cfg_data) -> DataSource:

@@ -24,6 +24,7 @@ class DataSource:
     name: ClassVar[str] = "source"
     boxes: ClassVar[bool] = False
     crohme_symbols: ClassVar[bool] = False
+    combines: ClassVar[bool] = False  # a source made of other sources, built in code (mix.py), not by a yaml
 
     @dataclass
     class Options:

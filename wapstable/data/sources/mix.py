@@ -17,6 +17,9 @@ class MixSource(DataSource):
     """`base`'s splits (read with the data config given to `splits`), plus the training split of `extra_cfg`'s
     source, each of its ids prefixed with `prefix`; `what` names the mix in the log line, `kind` its samples."""
 
+    name = "mix"
+    combines = True
+
     def __init__(self, extra_cfg, prefix: str = "mixed-", what: str = "mix", kind: str | None = None):
         super().__init__()
         self.extra_cfg, self.prefix, self.what = extra_cfg, prefix, what
