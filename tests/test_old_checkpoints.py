@@ -59,7 +59,9 @@ def test_a_checkpoint_from_before_the_targets_resumes_and_evaluates(tmp_path, ca
     assert type(model.watcher).__name__ == "VGGWatcher" and model.watcher.stride == 16
     assert cfg.data._target_.endswith(".SyntheticSource") and cfg.clip._target_.endswith(".AutoClip")
     assert cfg.data.batch.max_batch == 5 and "max_batch" not in cfg.data
-    assert cfg.pretrain.rendered.name == "synthetic"  # conf/data/synthetic.yaml, as such a config's pretraining read
+    assert (
+        cfg.pretrain.rendered.name == "synthetic"
+    )  # conf/data/synthetic.yaml, as such a config's pretraining read
 
     run_train(["resume=auto", "trainer.max_steps=4", "trainer.checkpoint_every=4"], run, cache_dir)
     resumed = load_checkpoint(run / "checkpoints" / "last.pt")
