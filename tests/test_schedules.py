@@ -70,6 +70,7 @@ def test_a_wrong_schedule_is_one_sentence_before_anything_is_written(tmp_path, c
     assert refusal_in_process(args, tmp_path / "run", cache_dir).startswith(said)
 
 
+@pytest.mark.slow  # make test-all, as the other parts outside the package; make test runs optim.schedule=step
 def test_a_schedule_outside_the_package_trains_through_train_py(tmp_path, cache_dir):
     """A class of the user's, named by its _target_ with its own option: the lr that metrics.csv logs follows it;
     its option's check refuses a bad value with its own sentence (exit 2)."""
