@@ -273,7 +273,7 @@ def test_a_logger_of_ones_own_is_one_class_and_one_yaml(tmp_path, cache_dir):
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     [line] = [x for x in (proc.stdout + proc.stderr).splitlines() if "ERROR" in x]
-    assert "logger.lines:" in line and "often" in line
+    assert "logger.lines.every:" in line and "often" in line
     assert not (bad / "lines.txt").exists() and not (bad / "checkpoints").exists()
 
 
