@@ -35,7 +35,8 @@ def test_smoke_run_writes_the_run_files(tmp_path, cache_dir):
         state["step"] == 3 and state["vocab"][0] == "<eol>" and state["config"]["trainer"]["max_steps"] == 3
     )
     assert (
-        state["config"]["optim"]["schedule"] == "cosine" and state["config"]["data"]["batch"]["bucket_by"] == "tokens"
+        state["config"]["optim"]["schedule"] == "cosine"
+        and state["config"]["data"]["batch"]["bucket_by"] == "tokens"
     )
     assert {"python", "numpy", "torch"} <= set(state["rng"])
 
