@@ -126,6 +126,12 @@ def test_pixel_aug_scale_pen_blur_binarize():
     ink = b.images.sum()
     pens = [augment_batch(b, pen=1.0).images.sum() for _ in range(20)]
     assert min(pens) < ink < max(pens)  # thinner and thicker pens both drawn
+    many = batch(n=40)
+    thin = -torch.nn.functional.max_pool2d(torch.nn.functional.pad(-many.images, (0, 1, 0, 1)), 2, stride=1)
+    half = augment_batch(many, pen=0.5).images  # each image kept, or changed the one way drawn for it
+    kept = [torch.equal(half[i], many.images[i]) for i in range(40)]
+    assert 5 < sum(kept) < 35 and not half[-1, :, :, 40:].any()  # the padding stays background after a pen
+    assert any(torch.equal(half[i], thin[i] * many.image_mask[i]) for i in range(40) if not kept[i])
     blurred = augment_batch(b, blur=1.0).images
     assert ((blurred > 0.05) & (blurred < 0.95)).any()
     binary = augment_batch(augment_batch(b, blur=1.0), binarize=1.0).images

@@ -77,15 +77,21 @@ def augment_batch(
             regions = regions * torch.tensor([size[1] / W, size[0] / H] * 2, device=regions.device)
     n, device = images.shape[0], images.device
     if pen > 0:
-        way = torch.randint(0, 3, (n,)).view(n, 1, 1, 1).to(device)  # thinner, 1 px thicker, 2 px thicker
-        changed = torch.where(
-            way == 0, _thin(images), torch.where(way == 1, _thick(images, 2), _thick(images, 3))
-        )
-        images = torch.where(_pick(pen, n, device), changed, images) * mask.unsqueeze(1)
+        way = torch.randint(0, 3, (n,))  # thinner, 1 px thicker, 2 px thicker
+        picked = torch.rand(n) < pen
+        if picked.any():  # each picked image filtered the one way drawn for it, the others untouched
+            images = images.clone()
+            for w, change in enumerate((_thin, lambda x: _thick(x, 2), lambda x: _thick(x, 3))):
+                rows = (picked & (way == w)).nonzero().flatten().to(device)
+                if len(rows):
+                    images[rows] = change(images[rows]) * mask[rows].unsqueeze(1)
     if blur > 0:
         sigma = 0.3 + 0.9 * float(torch.rand(()))
-        blurred = gaussian_blur(images, kernel_size=[5, 5], sigma=[sigma, sigma])
-        images = torch.where(_pick(blur, n, device), blurred, images) * mask.unsqueeze(1)
+        rows = (torch.rand(n) < blur).nonzero().flatten().to(device)
+        if len(rows):
+            images = images.clone()
+            blurred = gaussian_blur(images[rows], kernel_size=[5, 5], sigma=[sigma, sigma])
+            images[rows] = blurred * mask[rows].unsqueeze(1)
     if binarize > 0:
         level = (0.25 + 0.5 * torch.rand(n)).view(n, 1, 1, 1).to(device)
         images = torch.where(_pick(binarize, n, device), (images > level).to(images.dtype), images)
