@@ -299,6 +299,7 @@ def full_disk(monkeypatch):
     monkeypatch.setattr(checkpoint, "tempfile", types.SimpleNamespace(mkstemp=mkstemp))
 
 
+@pytest.mark.slow  # make test-all
 @needs_dev_full
 def test_full_disk_stops_the_run(run_dir, cache_dir):
     # resumes at step 3 and fails at its first checkpoint, at step 6

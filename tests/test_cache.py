@@ -187,7 +187,9 @@ def test_a_read_only_cache_is_refused_before_the_work(tmp_path, roots, monkeypat
     assert not [p for p in files_in(tmp_path / "cache") if p.suffix == ".tmp"]
 
 
-@pytest.mark.parametrize("how", ["read-only folder", "a file in the folder's place"])
+@pytest.mark.parametrize(
+    "how", ["read-only folder", pytest.param("a file in the folder's place", marks=pytest.mark.slow)]
+)
 def test_train_py_on_a_cache_it_cannot_write_exits_2_with_one_sentence(tmp_path, how):
     folder = tmp_path / "cache"
     if how == "read-only folder":
@@ -273,6 +275,7 @@ def test_a_torn_cache_file_is_built_again(tmp_path, roots, caplog, context, dama
         assert sum(map(len, ink_bank.load_bank(str(path)).values())) == 4 * 3
 
 
+@pytest.mark.slow  # make test-all
 def test_train_py_renders_a_torn_cache_again(tmp_path):
     folder = tmp_path / "cache"
     cfg = compose_config(TINY).data  # the data of run_train's runs, into their cache

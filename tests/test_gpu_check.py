@@ -135,6 +135,7 @@ def test_a_skip_that_moves_a_weight_fails(cache_dir, monkeypatch, capsys):
     assert "FAILED: 5 checks" in out
 
 
+@pytest.mark.slow  # make test-all
 def test_a_second_host_sync_per_step_fails(cache_dir, monkeypatch, capsys):
     # a second read of the device in every guarded step, before the guard's own
     guard_step_that(monkeypatch, before=lambda loss: float(loss.detach()))

@@ -330,6 +330,7 @@ def test_more_forms_is_a_key_of_the_cache_and_of_the_pixels(tmp_path):
     _changes_exactly_where(tmp_path, "more_forms", has_more_forms)
 
 
+@pytest.mark.slow  # make test-all
 def test_jitter_and_distort_are_keys_of_the_cache_and_of_the_pixels(tmp_path):
     """data.jitter and data.distort each draw other images under their own cache entry; their defaults leave the
     cache key of a config as it was before they existed."""

@@ -277,6 +277,7 @@ def test_a_logger_of_ones_own_is_one_class_and_one_yaml(tmp_path, cache_dir):
     assert not (bad / "lines.txt").exists() and not (bad / "checkpoints").exists()
 
 
+@pytest.mark.slow  # make test-all
 def test_a_checkpoint_from_before_the_targets_resumes_with_its_loggers(tmp_path, cache_dir):
     """A checkpoint whose logger config has no _target_ (and None for the loggers it did not choose), as every
     checkpoint before the loggers were built from _target_ has: resumed, it logs to the same loggers."""

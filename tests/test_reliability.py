@@ -229,6 +229,7 @@ def test_killed_anywhere_resumes_to_the_same_weights(tmp_path, cache_dir):
     assert a == b
 
 
+@pytest.mark.slow  # make test-all
 def test_dead_data_loader_worker_is_a_clear_error(tmp_path, cache_dir):
     r = Run(tmp_path, "worker", tmp_path / "run", cache_dir, ["data.batch.num_workers=1"], CRASH_WORKER=1)
     assert r.wait() == 2, r.text()  # not a hang: the wait would time out

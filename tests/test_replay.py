@@ -155,6 +155,7 @@ def test_replay_in_process_keeps_caller_rng_and_checks_overrides(naive_run):
         replay(state, overrides={"model.attention.stabel": True})
 
 
+@pytest.mark.slow  # make test-all
 def test_exit_2_for_files_that_are_not_anomaly_checkpoints(nan_run, tmp_path, capsys):
     text = tmp_path / "notes.pt"
     text.write_text("not a checkpoint\n")

@@ -174,6 +174,7 @@ def test_a_second_rollback_goes_further_back(tmp_path, cache_dir):
     assert [e["source"] for e in events] == ["snapshot", "snapshot", "starting state"]
 
 
+@pytest.mark.slow  # make test-all
 def test_a_run_resumed_inside_a_failure_streak_returns_to_trusted_pt(tmp_path, cache_dir):
     """last.pt written mid-streak holds damaged weights; the resumed run rolls back to trusted.pt instead."""
     run = tmp_path / "midstreak"

@@ -4,6 +4,7 @@ pretrain.in_budget (the run stops at the reduced budget). A dropped argument any
 
 import json
 
+import pytest
 import torch
 from conftest import TINY, build_trainer, run_train
 
@@ -73,6 +74,7 @@ def floats(state: dict) -> dict:
     return {k: v for k, v in state.items() if v.is_floating_point()}
 
 
+@pytest.mark.slow  # make test-all
 def test_init_from_starts_the_run_from_those_weights(tmp_path, cache_dir):
     """The first step of a run started with init_from= is skipped (a NaN input), so its anomaly checkpoint holds
     the weights the run started from: exactly the source run's; a run without init_from starts elsewhere."""
