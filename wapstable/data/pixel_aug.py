@@ -45,9 +45,14 @@ def active(aug) -> bool:
     return (lo, hi) != (1.0, 1.0) or any(float(aug[k]) > 0 for k in ("pen", "blur", "binarize"))
 
 
+def _drawn(chance: float, n: int) -> torch.Tensor:
+    """(n,) bool: which images of the batch get an augmentation of this chance."""
+    return torch.rand(n) < chance
+
+
 def _pick(chance: float, n: int, device) -> torch.Tensor:
-    """(n, 1, 1, 1) bool: which images of the batch get an augmentation of this chance."""
-    return (torch.rand(n) < chance).view(n, 1, 1, 1).to(device)
+    """_drawn as an (n, 1, 1, 1) mask on the batch's device."""
+    return _drawn(chance, n).view(n, 1, 1, 1).to(device)
 
 
 def _thin(x: torch.Tensor) -> torch.Tensor:  # a 2x2 min filter: a stroke one px thinner
@@ -78,7 +83,7 @@ def augment_batch(
     n, device = images.shape[0], images.device
     if pen > 0:
         way = torch.randint(0, 3, (n,))  # thinner, 1 px thicker, 2 px thicker
-        picked = torch.rand(n) < pen
+        picked = _drawn(pen, n)
         if picked.any():  # each picked image filtered the one way drawn for it, the others untouched
             images = images.clone()
             for w, change in enumerate((_thin, lambda x: _thick(x, 2), lambda x: _thick(x, 3))):
@@ -87,7 +92,7 @@ def augment_batch(
                     images[rows] = change(images[rows]) * mask[rows].unsqueeze(1)
     if blur > 0:
         sigma = 0.3 + 0.9 * float(torch.rand(()))
-        rows = (torch.rand(n) < blur).nonzero().flatten().to(device)
+        rows = _drawn(blur, n).nonzero().flatten().to(device)
         if len(rows):
             images = images.clone()
             blurred = gaussian_blur(images[rows], kernel_size=[5, 5], sigma=[sigma, sigma])
