@@ -1,6 +1,6 @@
 """The data caches (wapstable/data/cache.py): written atomically, a folder that cannot be written refused in one
 sentence with nothing half-written left, a torn file built again, and a key that holds every data key that changes
-the pixels (walked over config.DataConfig) and the code that draws them."""
+the pixels (walked over the data schema, wapstable/data/schema.py) and the code that draws them."""
 
 import copy
 import dataclasses
@@ -18,10 +18,10 @@ import pytest
 from conftest import TINY, compose_config, run_train
 from omegaconf import DictConfig, OmegaConf
 
-from wapstable.config import BatchConfig, DataConfig, PixelAugConfig
 from wapstable.data import cache
 from wapstable.data.batches import load_splits
 from wapstable.data.ink import bank as ink_bank
+from wapstable.data.schema import SCHEMAS, BatchConfig, DataConfig, PixelAugConfig
 from wapstable.data.sources import crohme, images, synthetic
 from wapstable.errors import UserError
 
@@ -386,13 +386,13 @@ def other(key: str, value, context: str, roots: dict):
 
 
 def test_every_data_key_is_keyed_or_said_to_change_no_pixels():
-    """A new key of config.DataConfig fails here until it is put in KEYED (and so into the key of the caches it
-    changes) or in NOT_PIXELS, with the reason."""
-    keys = {f.name for f in dataclasses.fields(DataConfig)}
+    """A new key of the data schema (the shared DataConfig or a built-in source's own) fails here until it is put in
+    KEYED (and so into the key of the caches it changes) or in NOT_PIXELS, with the reason."""
+    keys = {f.name for schema in (DataConfig, *SCHEMAS.values()) for f in dataclasses.fields(schema)}
     assert not KEYED.keys() & NOT_PIXELS.keys()
     undecided = keys - KEYED.keys() - NOT_PIXELS.keys()
     assert not undecided, f"data.{sorted(undecided)}: add each to KEYED or NOT_PIXELS in tests/test_cache.py"
-    assert not (KEYED.keys() | NOT_PIXELS.keys()) - keys, "KEYED or NOT_PIXELS names a key DataConfig lacks"
+    assert not (KEYED.keys() | NOT_PIXELS.keys()) - keys, "KEYED or NOT_PIXELS names a key no data schema has"
 
 
 @pytest.fixture(scope="module")

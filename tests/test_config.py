@@ -174,3 +174,42 @@ def test_debug_tiny_is_a_short_run_that_wins_over_a_preset_but_not_the_command_l
     cfg = compose_config(["experiment=synthetic_long", "debug=tiny", "trainer.max_steps=50"])
     assert cfg.data.num_train == 48 and cfg.trainer.max_minutes == 0  # not the preset's 10,000 and 26 min
     assert cfg.trainer.max_steps == 50  # the command line wins
+
+
+@pytest.mark.parametrize("source", sorted(p.stem for p in (ROOT / "conf" / "data").glob("*.yaml")))
+def test_debug_tiny_composes_with_every_source_and_sets_only_the_keys_it_has(source):
+    """debug=tiny sets the keys every source shares, and data=synthetic's own sizes only where it is the data
+    (conf/debug/data/tiny_synthetic.yaml): a source without them composes with it."""
+    cfg = compose_config([f"data={source}", "data.root=somewhere", "debug=tiny"])
+    assert cfg.data.batch.max_batch == 8 and cfg.data.render_workers == 1
+    assert cfg.data.get("num_train", 48) == 48 and cfg.data.get("difficulty", 1) == 1
+    assert cfg.pretrain.data.num_train == 48  # the rendered data of a pretraining, whatever the run's source
+
+
+def test_each_source_owns_its_keys():
+    """A built-in source's own keys are typed on its schema (data/schema.py), and refused, naming the key and the
+    schema, where another source is the data."""
+    from omegaconf import OmegaConf
+
+    from wapstable.data.schema import CrohmeData, DataConfig, SyntheticData
+
+    synthetic = compose_config(["data.style=handwritten", "data.num_train=7"]).data
+    assert OmegaConf.get_type(synthetic) is SyntheticData and synthetic.num_train == 7
+    crohme = compose_config(["data=crohme", "data.root=x", "data.redraw=2"]).data
+    assert OmegaConf.get_type(crohme) is CrohmeData and crohme.redraw == 2 and "num_train" not in crohme
+    images = compose_config(["data=images", "data.root=x"]).data
+    assert OmegaConf.get_type(images) is DataConfig and not {"redraw", "style"} & set(images)
+    refused = [
+        (["data=crohme", "data.root=x", "data.num_train=5"], "num_train", "CrohmeData"),
+        (["data.redraw=1"], "redraw", "SyntheticData"),
+        (["data=images", "data.root=x", "data.style=handwritten"], "style", "DataConfig"),
+        (["data=wap_pkl", "data.root=x", "data.redraw=1"], "redraw", "DataConfig"),
+    ]
+    for args, key, schema in refused:
+        with pytest.raises(ConfigCompositionException) as info:
+            compose_config(args)
+        assert f"Key '{key}' not in '{schema}'" in str(info.value) + str(info.value.__cause__), args
+    proc = python_run(
+        [sys.executable, "train.py", "data=crohme", "data.root=x", "data.difficulty=3", "--cfg", "job"]
+    )
+    assert proc.returncode != 0 and "Key 'difficulty' not in 'CrohmeData'" in proc.stderr

@@ -275,16 +275,12 @@ def test_evaluate_brings_wap_bitmaps_to_the_checkpoint_ink(tmp_path, cache_dir):
     )
     from omegaconf import OmegaConf
 
-    from wapstable.config import DataConfig
+    from wapstable.config import data_yaml
     from wapstable.data.batches import load_splits
     from wapstable.eval.evaluation import load_model
 
     model, _, _ = load_model(run / "checkpoints" / "last.pt")
-    d = OmegaConf.merge(
-        OmegaConf.structured(DataConfig),
-        OmegaConf.load(ROOT / "conf" / "data" / "images.yaml"),
-        {"root": str(root), "test": "2014", "cache_dir": str(cache_dir)},
-    )
+    d = OmegaConf.merge(data_yaml("images"), {"root": str(root), "test": "2014", "cache_dir": str(cache_dir)})
     for s in load_splits(d, which=("test",), ink=model.ink_stats)["test"]:
         m = measure(s.image > 127)
         assert abs(m.stroke_width - model.ink_stats.stroke_width) < 0.8

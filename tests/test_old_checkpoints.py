@@ -36,6 +36,7 @@ def make_old(state: dict) -> None:
         and data.pop("options") == {}
     )
     data |= data.pop("batch")  # the batching keys flat in data, as before data.batch
+    data |= {"redraw": 0, "redraw_strength": 1.0}  # every source's keys, as before each source owned its own
     data["max_batch"] = 5  # a value of its own, which must survive the mapping
     for section in ("rendered", "data"):  # and so in the pretraining's data, before pretrain.rendered
         config["pretrain"][section] = {}
@@ -58,7 +59,7 @@ def test_a_checkpoint_from_before_the_targets_resumes_and_evaluates(tmp_path, ca
     model, _, cfg = load_model(run / "checkpoints" / "best.pt")  # evaluate.py's and predict.py's reader
     assert type(model.watcher).__name__ == "VGGWatcher" and model.watcher.stride == 16
     assert cfg.data._target_.endswith(".SyntheticSource") and cfg.clip._target_.endswith(".AutoClip")
-    assert cfg.data.batch.max_batch == 5 and "max_batch" not in cfg.data
+    assert cfg.data.batch.max_batch == 5 and "max_batch" not in cfg.data and "redraw" not in cfg.data
     assert (
         cfg.pretrain.rendered.name == "synthetic"
     )  # conf/data/synthetic.yaml, as such a config's pretraining read
@@ -84,19 +85,31 @@ def test_a_checkpoint_from_before_the_targets_resumes_and_evaluates(tmp_path, ca
 
 def test_an_old_data_name_maps_to_its_source_not_the_default():
     """A checkpoint's data section from before data._target_ holds only data.name: the source that name was, not
-    the schema's default (synthetic), or an old CROHME checkpoint would evaluate on rendered data."""
+    the schema's default (synthetic), or an old CROHME checkpoint would evaluate on rendered data. It holds every
+    source's keys too (from before each source owned its own): each source keeps its own and the shared ones."""
+    import dataclasses
+
     from omegaconf import OmegaConf
 
     from wapstable.config import Config, checkpoint_config
+    from wapstable.data.schema import CrohmeData, SyntheticData, data_schema
     from wapstable.data.sources import builtin_sources
 
+    every_key = OmegaConf.to_container(OmegaConf.structured(SyntheticData)) | OmegaConf.to_container(
+        OmegaConf.structured(CrohmeData)
+    )
     for name, cls in builtin_sources().items():
         saved = OmegaConf.to_container(OmegaConf.structured(Config))
-        saved["data"] = {k: v for k, v in saved["data"].items() if k not in ("_target_", "options")} | {
+        saved["data"] = {k: v for k, v in every_key.items() if k not in ("_target_", "options")} | {
             "name": name
         }
+        saved["data"]["render_workers"] = 1  # a shared key's own value, which must survive
         merged = checkpoint_config(saved, [], OmegaConf.structured(Config))
-        assert merged.data._target_ == f"{cls.__module__}.{cls.__qualname__}", name
+        target = f"{cls.__module__}.{cls.__qualname__}"
+        assert merged.data._target_ == target, name
+        schema = data_schema(target)
+        assert set(merged.data) == {f.name for f in dataclasses.fields(schema)}, name
+        assert OmegaConf.get_type(merged.data) is schema and merged.data.render_workers == 1, name
 
 
 def test_an_old_dense_model_maps_to_the_densenet_watcher():

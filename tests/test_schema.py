@@ -10,11 +10,17 @@ from omegaconf.errors import ValidationError
 
 from wapstable import config
 from wapstable.config import Config, checkpoint_config
+from wapstable.data import schema
 
 # key -> its Enum; the groups whose option sets the key are composed too
 ENUM_KEYS = {
-    "data.on_error": config.OnError,
-    "data.batch.bucket_by": config.BucketBy,
+    "data.on_error": schema.OnError,
+    "data.batch.bucket_by": schema.BucketBy,
+    "data.scale": schema.InkScale,
+    "data.symbols": schema.SymbolSet,
+    "data.style": schema.InkStyle,  # data=synthetic's own keys, on its schema (data.schema.SyntheticData)
+    "data.frequencies": schema.Frequencies,
+    "data.glyphs": schema.GlyphSource,
     "guard.on_budget_exhausted": config.OnBudgetExhausted,
     "fault.name": config.FaultName,
 }

@@ -100,16 +100,14 @@ def handwriting(out: Path, n: int = 8, seed: int = 2, crohme: Path | None = None
     rasterised alike."""
     from omegaconf import OmegaConf
 
-    from wapstable.config import CONF_DIR, DataConfig
+    from wapstable.config import CONF_DIR, data_yaml
     from wapstable.data.ink.raster import Raster
     from wapstable.data.render.grammar import generate_expressions
     from wapstable.data.render.handwritten import render_handwritten
     from wapstable.data.render.mathtext import FONTS
 
     data = OmegaConf.merge(
-        OmegaConf.structured(DataConfig),
-        OmegaConf.load(CONF_DIR / "data" / "synthetic.yaml"),
-        OmegaConf.load(CONF_DIR / "experiment" / "handwritten.yaml").data,
+        data_yaml("synthetic"), OmegaConf.load(CONF_DIR / "experiment" / "handwritten.yaml").data
     )
     raster = Raster.of(data)
     # the glyphs as far from the fonts as the preset draws them
@@ -250,14 +248,12 @@ def box_figure(panels: list[tuple], n: int, title: str, path: Path) -> Path:
 def crohme_panels(folder: Path, count: int, raster=None) -> list[tuple]:
     """The first `count` InkML files under `folder` (4 to 20 tokens) whose traceGroups give boxes, rasterised by
     `raster` (default: data=crohme's)."""
-    from omegaconf import OmegaConf
-
-    from wapstable.config import CONF_DIR, DataConfig
+    from wapstable.config import data_yaml
     from wapstable.data.ink.raster import Raster
     from wapstable.data.ink.read import read_inkml
     from wapstable.data.latex import DataError
 
-    cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(CONF_DIR / "data" / "crohme.yaml"))
+    cfg = data_yaml("crohme")
     raster = raster or Raster.of(cfg)
     panels = []
     for path in sorted(folder.rglob("*.inkml")):

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from wapstable.config import BucketBy
 from wapstable.data.sample import Sample, Splits
+from wapstable.data.schema import BucketBy
 from wapstable.data.sources import source_of
 from wapstable.data.vocab import Vocab
 from wapstable.errors import UserError

@@ -10,7 +10,7 @@ Also home to DataError and the fail/skip policy shared by the data readers.
 
 import logging
 
-from wapstable.config import OnError
+from wapstable.data.schema import OnError
 from wapstable.data.vocab import EOL, Vocab
 from wapstable.errors import UserError
 

@@ -13,7 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from wapstable.checkpoint import load_checkpoint
-from wapstable.config import Config, DataConfig, checkpoint_config, rendered_defaults
+from wapstable.config import Config, checkpoint_config, rendered_defaults, typed_data
 from wapstable.data.batches import BatchStream, check_labels, filter_samples, load_splits, load_vocab
 from wapstable.data.normalize import InkStats
 from wapstable.data.pixel_aug import check_pixel_aug
@@ -81,11 +81,6 @@ def validate_config(cfg: DictConfig) -> None:
         raise UserError(
             f"data.redraw={d.redraw} and data.redraw_strength={d.redraw_strength} must be >= 0 (data.redraw=0 "
             "trains on each file as written; data.redraw=2 adds two more drawings of each, in other hands)"
-        )
-    if d.get("redraw", 0) > 0 and d.name != "crohme":
-        raise UserError(
-            f"data.redraw={d.redraw} draws CROHME's training strokes again, and data={d.name} has no strokes; "
-            "set data.redraw=0"
         )
     if d.batch.pixel_budget <= 0 or d.batch.max_batch <= 0:
         raise UserError("data.batch.pixel_budget and data.batch.max_batch must be positive")
@@ -184,7 +179,7 @@ def pretrain_data(cfg: DictConfig) -> DictConfig:
     with pretrain.data's keys on top, in the run's cache; with glyphs=crohme, the symbols are cut from the run's own training folder (data.root,
     data.train, its validation hold-out excluded) unless pretrain.data names another."""
     p = cfg.pretrain
-    data = OmegaConf.merge(OmegaConf.structured(DataConfig), p.rendered or rendered_defaults(), p.data)
+    data = OmegaConf.merge(typed_data(p.rendered or rendered_defaults()), p.data)
     data.cache_dir = cfg.data.cache_dir
     if str(data.glyphs) == "crohme":
         take_run_keys(data, cfg, ("root", "train", "valid_fraction"))

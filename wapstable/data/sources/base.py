@@ -18,7 +18,8 @@ class DataSource:
       dictionary, not the tokens of the training labels);
     - `Options`: a dataclass of the source's own keys, given under `data.options` and typed and checked before
       anything runs (`self.options`); the keys every source shares (data.root, data.train, the batching keys...)
-      are the data config's own.
+      are the data config's own (wapstable/data/schema.py, where the built-in sources keep their own keys too: a
+      schema read as the config is composed, apart from the heavy modules here).
     """
 
     name: ClassVar[str] = "source"
