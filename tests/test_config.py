@@ -209,6 +209,11 @@ def test_each_source_owns_its_keys():
         with pytest.raises(ConfigCompositionException) as info:
             compose_config(args)
         assert f"Key '{key}' not in '{schema}'" in str(info.value) + str(info.value.__cause__), args
+    for preset in ("handwritten", "synthetic_long"):  # presets of the rendered data: its keys, not CROHME's
+        with pytest.raises(ConfigCompositionException) as info:
+            compose_config([f"experiment={preset}", "data=crohme", "data.root=x"])
+        said = str(info.value) + str(info.value.__cause__)
+        assert f"experiment/{preset}" in said and "not in 'CrohmeData'" in said
     proc = python_run(
         [sys.executable, "train.py", "data=crohme", "data.root=x", "data.difficulty=3", "--cfg", "job"]
     )
