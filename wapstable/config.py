@@ -313,19 +313,13 @@ def checkpoint_config(saved: dict, keys: list[str], source: DictConfig) -> DictC
     if isinstance(saved.get("data"), dict):  # from before data.batch
         saved["data"] = nest_batch_keys(saved["data"])
     if isinstance(saved.get("pretrain"), dict):
-        saved["pretrain"] = {
-            **saved["pretrain"],
-            **{
-                k: nest_batch_keys(saved["pretrain"][k])
-                for k in ("data", "rendered")
-                if k in saved["pretrain"]
-            },
-            **(
-                {"rendered": owned_keys_only(nest_batch_keys(saved["pretrain"]["rendered"]))}
-                if saved["pretrain"].get("rendered")
-                else {}
-            ),
-        }
+        pretrain = {**saved["pretrain"]}
+        for k in ("data", "rendered"):
+            if k in pretrain:
+                pretrain[k] = nest_batch_keys(pretrain[k])
+        if pretrain.get("rendered"):  # from before the sources owned their keys: every source's
+            pretrain["rendered"] = owned_keys_only(pretrain["rendered"])
+        saved["pretrain"] = pretrain
     if isinstance(saved.get("data"), dict) and "_target_" not in saved["data"]:  # from before data._target_
         from wapstable.data.sources import legacy_data
 
@@ -346,12 +340,11 @@ def checkpoint_config(saved: dict, keys: list[str], source: DictConfig) -> DictC
     optim = saved.get("optim")
     if isinstance(optim, dict) and "_target_" not in optim:  # checkpoints from before optim._target_
         saved["optim"] = {**optim, "_target_": LEGACY_OPTIMIZERS.get(optim.get("name"), OptimConfig._target_)}
-    if isinstance(
-        saved.get("data"), dict
-    ):  # from before the sources owned their keys: all of them, every source
-        saved["data"] = owned_keys_only(saved["data"])
     merged = OmegaConf.structured(Config)
-    if isinstance(saved.get("data"), dict):  # the data's keys on the schema of its source
+    # the data on its source's schema, other sources' keys dropped (before the sources owned their keys, every
+    # config held them all)
+    if isinstance(saved.get("data"), dict):
+        saved["data"] = owned_keys_only(saved["data"])
         merged.data = OmegaConf.structured(data_schema(saved["data"].get("_target_")))
     merged = OmegaConf.merge(merged, saved)
     for key in sorted(keys, key=lambda k: "." in k):
