@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from wapstable.data import cache
 from wapstable.data.batches import load_splits
 from wapstable.data.ink import bank as ink_bank
-from wapstable.data.schema import SCHEMAS, BatchConfig, DataConfig, PixelAugConfig
+from wapstable.data.schema import SCHEMAS, BatchConfig, DataConfig, PixelAugConfig, ReadRangeConfig
 from wapstable.data.sources import crohme, images, synthetic
 from wapstable.errors import UserError
 
@@ -340,6 +340,7 @@ NOT_PIXELS = {
     "normalize": "applied to every image as the splits are loaded (batches.load_splits), after the cache",
     "ink_stroke": "data.normalize's target, applied after the cache",
     "ink_symbol": "data.normalize's target, applied after the cache",
+    "read_range": "what the end of training measures on the loaded validation split, after the cache",
     "render_workers": "how many processes render or read: the same pixels with any number (seeded per sample)",
     "dictionary": "the vocabulary file, read apart from the images (batches.load_vocab)",
     "on_error": "what a bad file does to the run; every bad file is cached as an error and judged on each load",
@@ -366,6 +367,7 @@ def other(key: str, value, context: str, roots: dict):
         "test": lambda: folders[where],
         "test_sets": lambda: {"x": folders[where]},
         "pixel_aug": lambda: PixelAugConfig([0.7, 1.4], 0.5, 0.5, 0.5),
+        "read_range": lambda: ReadRangeConfig([0.7, 1.4], 5.0),
         "dictionary": lambda: "dictionary.txt",
         "render_workers": lambda: 2,
         "batch": lambda: BatchConfig("tokens", 1, 99999, 3, 10**7, 500, 1),  # every batching key changed

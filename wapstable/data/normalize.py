@@ -146,6 +146,38 @@ def training_stats(
     )
 
 
+def check_read_range(read_range) -> None:
+    """data.read_range: factors in (0.25, 4], a tolerance >= 0 points; else one sentence naming the value."""
+    scales = list(read_range.scales)
+    if not all(0.25 < float(f) <= 4.0 for f in scales):  # NaN fails too
+        raise UserError(
+            f"data.read_range.scales={scales} must list factors in (0.25, 4], e.g. [0.7,0.85,1.2,1.4] ([] = the "
+            "range shown in training is recorded)"
+        )
+    if not float(read_range.tolerance) >= 0:
+        raise UserError(
+            f"data.read_range.tolerance={read_range.tolerance} must be >= 0 (points of ExpRate below scale 1)"
+        )
+
+
+def read_factors(readings: dict[float, float], tolerance: float) -> tuple[float, float]:
+    """The scale factors a model reads well, from `readings` (factor -> ExpRate, 1.0 among them): the smallest and
+    the largest factor reached from 1 without passing one that reads more than `tolerance` points below 1's."""
+    floor = readings[1.0] - tolerance
+    span = []
+    for side in (
+        sorted((f for f in readings if f < 1.0), reverse=True),
+        sorted(f for f in readings if f > 1.0),
+    ):
+        end = 1.0
+        for f in side:
+            if readings[f] < floor:
+                break
+            end = f
+        span.append(end)
+    return span[0], span[1]
+
+
 def _pen(width: float) -> np.ndarray:
     """A round footprint that draws a stroke `width` px wide (2: a 2x2 square, as a 2-px line of the rasteriser)."""
     k = max(1, round(width))

@@ -38,6 +38,17 @@ class PixelAugConfig:
 
 
 @dataclass
+class ReadRangeConfig:
+    # The symbol sizes a checkpoint records as read well (its `ink_stats.symbol_range`: data.normalize keeps an image
+    # inside it as it is and resamples one outside it). At the end of training the best model reads the validation
+    # split greedily at scale 1 and at each of `scales`; the range runs from the smallest to the largest factor,
+    # reached from 1 without one that reads more than `tolerance` points below scale 1, times the training images'
+    # quartiles. Empty `scales`: the range the model was shown (the quartiles times data.pixel_aug.scale).
+    scales: list[float] = field(default_factory=list)
+    tolerance: float = 3.0
+
+
+@dataclass
 class BatchConfig:
     """`data.batch`: how any source's samples are batched, as in WAP: sorted, then each batch filled under a pixel
     budget."""
@@ -91,6 +102,7 @@ class DataConfig:
     normalize: bool = False
     ink_stroke: float = 2.3
     ink_symbol: float = 31.0
+    read_range: ReadRangeConfig = field(default_factory=ReadRangeConfig)
     render_workers: int = 2
     # real data (crohme: folders of InkML files; wap_pkl: pickles + captions + dictionary)
     root: str | None = None

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from wapstable.checkpoint import load_checkpoint
 from wapstable.config import Config, checkpoint_config, rendered_defaults, typed_data
 from wapstable.data.batches import BatchStream, check_labels, filter_samples, load_splits, load_vocab
-from wapstable.data.normalize import InkStats
+from wapstable.data.normalize import InkStats, check_read_range
 from wapstable.data.pixel_aug import check_pixel_aug
 from wapstable.data.sources import source_of
 from wapstable.data.sources.mix import MixSource
@@ -77,6 +77,8 @@ def validate_config(cfg: DictConfig) -> None:
         raise UserError(f"data.warp={d.warp} must be >= 0 (0 turns the per-step warp off)")
     if d.get("pixel_aug") is not None:
         check_pixel_aug(d.pixel_aug)
+    if d.get("read_range") is not None:
+        check_read_range(d.read_range)
     if d.get("redraw", 0) < 0 or not d.get("redraw_strength", 1.0) >= 0:
         raise UserError(
             f"data.redraw={d.redraw} and data.redraw_strength={d.redraw_strength} must be >= 0 (data.redraw=0 "

@@ -109,6 +109,18 @@ class Checkpointer:
             save_checkpoint(trusted, p.run_dir / "checkpoints" / "trusted.pt")  # apart from last.pt
         return save_checkpoint(self.state(), p.run_dir / "checkpoints" / f"{name}.pt")
 
+    def record_ink_stats(self, names=("best", "last")) -> None:
+        """Write the run's ink statistics into its checkpoints `names` as they are on disk (the main rank only)."""
+        p = self.parts
+        if not p.dist.is_main:
+            return
+        for name in names:
+            path = p.run_dir / "checkpoints" / f"{name}.pt"
+            if path.is_file():
+                state = load_checkpoint(path)
+                state["ink_stats"] = p.ink_stats.as_dict() if p.ink_stats is not None else None
+                save_checkpoint(state, path)
+
     def write_anomaly(
         self, result: StepResult, batch, rng_before: dict, stream_before: dict | None = None
     ) -> Path | None:

@@ -49,12 +49,23 @@ class Evaluator:
         result = self.evaluate("valid")
         return {"step": step, "exprate": result["exprate"], "wer": result["wer"], "loss": result["loss"]}
 
+    def read_scales(self, best_path: Path, scales) -> dict[float, float]:
+        """The validation split's greedy ExpRate at scale 1 and at each of `scales`, read by the checkpoint at
+        `best_path` (the model as it is, where there is none): what data.read_range records."""
+        self.load_best(best_path)
+        return {
+            f: self.evaluate("valid", beam_size=1, scales=(f,))["exprate"] for f in sorted({1.0, *scales})
+        }
+
+    def load_best(self, best_path: Path) -> None:
+        if best_path.is_file():
+            self.parts.model.load_state_dict(load_checkpoint(best_path)["model"])
+
     def test(self, best_path: Path) -> dict[str, dict]:
         """The test sets one by one, read by the checkpoint at `best_path` (the model as it is, where there is
         none) with beam decode.final_beam_size at decode.scales."""
         p = self.parts
-        if best_path.is_file():
-            p.model.load_state_dict(load_checkpoint(best_path)["model"])
+        self.load_best(best_path)
         decode = p.cfg.decode
         return score_test_sets(
             lambda samples: self.evaluate(

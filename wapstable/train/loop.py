@@ -21,6 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from wapstable.checkpoint import load_checkpoint, rng_state
+from wapstable.data.normalize import read_factors
 from wapstable.data.pixel_aug import active, augment_batch
 from wapstable.data.warp import warp_batch
 from wapstable.errors import TrainingStopped, UserError
@@ -32,7 +33,7 @@ from wapstable.train.build import load_resume, validate_config
 from wapstable.train.checkpointer import Checkpointer
 from wapstable.train.evaluator import Evaluator
 from wapstable.train.loggers import GUIDE_SCALARS, SYMBOL_MAP_SCALARS
-from wapstable.train.parts import RunParts, build_parts
+from wapstable.train.parts import RunParts, build_parts, ink_stats_of
 from wapstable.train.record import RunRecord
 from wapstable.train.runlog import RunLog
 from wapstable.train.signals import StopSignals
@@ -398,12 +399,46 @@ class Trainer:
         return self.finish(metrics)
 
     def final_metrics(self) -> dict:
-        """The test evaluation of the best checkpoint (beam decode.final_beam_size), then metrics.json."""
-        sets = self.evaluator.test(self.run_dir / "checkpoints" / "best.pt")
-        metrics = {**training_metrics(self.record, self.parts), **test_metrics(sets, self.cfg.decode)}
+        """The range the best checkpoint reads (data.read_range), the test evaluation of it (beam
+        decode.final_beam_size), then metrics.json."""
+        best = self.run_dir / "checkpoints" / "best.pt"
+        read = self.record_read_range(best)
+        sets = self.evaluator.test(best)
+        metrics = {**training_metrics(self.record, self.parts), **read, **test_metrics(sets, self.cfg.decode)}
         log_done(metrics, sets, self.rollback.events)
         self.runlog.scalar("test/exprate", metrics["test_exprate"], self.step)
         return self.finish(metrics)
+
+    def record_read_range(self, best: Path) -> dict:
+        """data.read_range: the symbol sizes the best model reads within its tolerance, measured on the validation
+        split at its scales and written into best.pt and last.pt as the ink_stats that evaluate.py and predict.py
+        normalise images to (the range it was shown stays where it reads nothing at scale 1); {} when off."""
+        rr = self.cfg.data.get("read_range")
+        if rr is None or not rr.scales or self.parts.ink_stats is None:
+            return {}
+        readings = self.evaluator.read_scales(best, rr.scales)
+        shown = ", ".join(f"{f:g}: {r:.2f}%" for f, r in readings.items())
+        out = {"read_scales": {f"{f:g}": r for f, r in readings.items()}}
+        if readings[1.0] <= 0:
+            log.warning(
+                "data.read_range: the model reads none of the validation split (%s); the range it was "
+                "shown is recorded",
+                shown,
+            )
+            return out
+        lo, hi = read_factors(readings, float(rr.tolerance))
+        self.parts.ink_stats = ink_stats_of(self.cfg, self.splits["train"], (lo, hi))
+        self.checkpointer.record_ink_stats()
+        log.info(
+            "data.read_range: valid ExpRate (greedy) at scale %s; read within %g points from %g to %g: "
+            "recorded %s",
+            shown,
+            rr.tolerance,
+            lo,
+            hi,
+            self.parts.ink_stats,
+        )
+        return {**out, "read_factors": [lo, hi], "ink_stats": self.parts.ink_stats.as_dict()}
 
     def finish(self, metrics: dict) -> dict:
         self.runlog.flush()

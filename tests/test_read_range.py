@@ -1,0 +1,79 @@
+"""data.read_range: the symbol sizes a checkpoint records as read well are measured on the validation split at the end
+of training, not taken from the augmentation's range, and evaluate.py and predict.py normalise to them."""
+
+import json
+
+import pytest
+from conftest import TINY, compose_config, refusal_in_process, run_train
+
+from wapstable.checkpoint import load_checkpoint
+from wapstable.data.normalize import InkStats, read_factors
+
+READINGS = {0.7: 20.0, 0.85: 28.0, 1.0: 30.0, 1.2: 27.5, 1.4: 26.0}
+
+
+@pytest.mark.parametrize(
+    "readings, tolerance, expected",
+    [
+        (READINGS, 3.0, (0.85, 1.2)),  # 0.7 reads 10 below, 1.4 4 below
+        (READINGS, 0.0, (1.0, 1.0)),  # nothing reads as well as scale 1
+        (READINGS, 10.0, (0.7, 1.4)),  # every factor within the tolerance
+        ({0.7: 30.0, 0.85: 10.0, 1.0: 30.0}, 3.0, (1.0, 1.0)),  # 0.7 is not reached past 0.85
+        ({1.0: 12.0}, 3.0, (1.0, 1.0)),  # no other factor read
+        ({0.5: 9.0, 1.0: 12.0, 2.0: 9.0}, 3.0, (0.5, 2.0)),  # exactly at the tolerance counts as read
+    ],
+)
+def test_read_factors(readings, tolerance, expected):
+    assert read_factors(readings, tolerance) == expected
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("data.read_range.scales=[0.2,1.2]", "data.read_range.scales"),
+        ("data.read_range.scales=[5.0]", "data.read_range.scales"),
+        ("data.read_range.tolerance=-1", "data.read_range.tolerance"),
+    ],
+)
+def test_read_range_refusals(tmp_path, cache_dir, override, named):
+    assert named in refusal_in_process([override], tmp_path / "run", cache_dir)
+
+
+def test_the_measured_range_is_what_the_checkpoints_record(tmp_path, cache_dir, monkeypatch):
+    """With readings given, the range from them (not from data.pixel_aug.scale) goes into best.pt and last.pt,
+    metrics.json and the model evaluate.py loads; the pen range and the medians stay as they were."""
+    from wapstable.eval.evaluation import load_model
+    from wapstable.train.evaluator import Evaluator
+    from wapstable.train.stages import train
+
+    asked, shown = [], []
+
+    def readings(self, best_path, scales):
+        asked.append((best_path.name, list(scales)))
+        shown.append(
+            InkStats.from_dict(load_checkpoint(best_path)["ink_stats"])
+        )  # as recorded during training
+        return READINGS
+
+    monkeypatch.setattr(Evaluator, "read_scales", readings)
+    run = tmp_path / "run"
+    cfg = compose_config(
+        [*TINY, "data.read_range.scales=[0.7,0.85,1.2,1.4]", "data.pixel_aug.scale=[0.7,1.4]"], run_dir=run
+    )
+    cfg.data.cache_dir = str(cache_dir)
+    metrics = train(cfg)
+    assert asked == [("best.pt", [0.7, 0.85, 1.2, 1.4])]
+    assert metrics["read_factors"] == [0.85, 1.2]
+    assert metrics["read_scales"] == {"0.7": 20.0, "0.85": 28.0, "1": 30.0, "1.2": 27.5, "1.4": 26.0}
+    assert json.loads((run / "metrics.json").read_text())["read_factors"] == [0.85, 1.2]
+    recorded = InkStats.from_dict(metrics["ink_stats"])
+    for name in ("best.pt", "last.pt"):
+        assert InkStats.from_dict(load_checkpoint(run / "checkpoints" / name)["ink_stats"]) == recorded
+        assert load_model(run / "checkpoints" / name)[0].ink_stats == recorded
+    # shown in training: the quartiles x [0.7, 1.4]; recorded: the same quartiles x [0.85, 1.2], the symbols' and
+    # the pen's alike (a resampled image's pen is resampled with it); the medians stay
+    (before,) = shown
+    for key in ("symbol_range", "stroke_range"):
+        lo, hi = getattr(before, key)
+        assert getattr(recorded, key) == pytest.approx((lo / 0.7 * 0.85, hi / 1.4 * 1.2)), key
+    assert (recorded.symbol_size, recorded.stroke_width) == (before.symbol_size, before.stroke_width)
