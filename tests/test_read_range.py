@@ -8,6 +8,7 @@ from conftest import TINY, compose_config, refusal_in_process, run_train
 
 from wapstable.checkpoint import load_checkpoint
 from wapstable.data.normalize import InkStats, read_factors
+from wapstable.errors import UserError
 
 READINGS = {0.7: 20.0, 0.85: 28.0, 1.0: 30.0, 1.2: 27.5, 1.4: 26.0}
 
@@ -77,3 +78,75 @@ def test_the_measured_range_is_what_the_checkpoints_record(tmp_path, cache_dir, 
         lo, hi = getattr(before, key)
         assert getattr(recorded, key) == pytest.approx((lo / 0.7 * 0.85, hi / 1.4 * 1.2)), key
     assert (recorded.symbol_size, recorded.stroke_width) == (before.symbol_size, before.stroke_width)
+
+
+def test_evaluate_read_range_on_an_existing_checkpoint(tmp_path, cache_dir, monkeypatch):
+    """wapstable-evaluate CKPT --read-range OUT: the same measure for a checkpoint trained without it, written to a
+    copy (the checkpoint itself untouched); one from before the factors were kept is taken as widened by its
+    data.pixel_aug.scale."""
+    import wapstable.cli.evaluate as evaluate
+    from wapstable.checkpoint import save_checkpoint
+
+    run = tmp_path / "run"
+    run_train(["data.pixel_aug.scale=[0.7,1.4]"], run, cache_dir)
+    ckpt = run / "checkpoints" / "best.pt"
+    state = load_checkpoint(ckpt)
+    shown = InkStats.from_dict(state["ink_stats"])
+    assert shown.factors == (0.7, 1.4)
+    old = tmp_path / "old.pt"  # as written before InkStats kept its factors
+    state["ink_stats"].pop("factors")
+    save_checkpoint(state, old)
+    scales_read = []
+
+    def fake(model, vocab, samples, beam, *args, scales=(1.0,), **kw):
+        scales_read.append((beam, scales))
+        return {"exprate": READINGS[scales[0]]}
+
+    monkeypatch.setattr(evaluate, "evaluate_samples", fake)
+    untouched = ckpt.read_bytes()
+    for source in (ckpt, old):
+        out = tmp_path / f"read-{source.stem}.pt"
+        assert evaluate.main([str(source), "--read-range", str(out)]) == 0
+        recorded = InkStats.from_dict(load_checkpoint(out)["ink_stats"])
+        assert recorded.factors == (0.85, 1.2)
+        for key in ("symbol_range", "stroke_range"):
+            lo, hi = getattr(shown, key)
+            assert getattr(recorded, key) == pytest.approx((lo / 0.7 * 0.85, hi / 1.4 * 1.2)), key
+        assert load_checkpoint(out)["model"].keys() == state["model"].keys()
+    assert ckpt.read_bytes() == untouched
+    assert scales_read[:5] == [(1, (f,)) for f in (0.7, 0.85, 1.0, 1.2, 1.4)]  # greedy, each scale alone
+    with pytest.raises(UserError, match="validation split"):
+        evaluate.main([str(ckpt), "--read-range", str(tmp_path / "x.pt"), "split=test"])
+    with pytest.raises(UserError, match="data.read_range.scales"):
+        evaluate.main([str(ckpt), "--read-range", str(tmp_path / "x.pt"), "data.read_range.scales=[9.0]"])
+    assert not (tmp_path / "x.pt").exists()
+
+
+def test_evaluate_read_range_refuses_a_model_that_reads_nothing(tmp_path, cache_dir):
+    """The real measurement through the script: a 3-step model reads none of its validation split, so there is no
+    range to record: one sentence, exit 2, nothing written."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    run = tmp_path / "run"
+    run_train([], run, cache_dir)
+    out = tmp_path / "read.pt"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "evaluate.py"),
+            str(run / "checkpoints" / "best.pt"),
+            "--read-range",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert (
+        "reads none of the validation split" in proc.stderr and "scale 1: valid ExpRate 0.00" in proc.stdout
+    )
+    assert not out.exists()

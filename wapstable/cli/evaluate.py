@@ -7,6 +7,7 @@
     wapstable-evaluate CKPT data=crohme data.root=DIR split=test +data.test_sets.2013=TestINKMLGT   # one more
     wapstable-evaluate CKPT data=wap_pkl data.root=/data/wap --out results.json
     wapstable-evaluate CKPT data=crohme data.root=DIR split=test --predictions errors.jsonl   # what it got wrong
+    wapstable-evaluate CKPT data.root=DIR --read-range OUT.pt    # record the symbol sizes it reads (data.read_range)
 
 The model and its vocabulary come from the checkpoint; data, decode and trainer.device/threads come from the
 checkpoint's config with the command line's Hydra-style overrides on top (a group such as `data=wap_pkl` replaces
@@ -17,7 +18,10 @@ wrong). With no decode.beam_size given, the beam is the checkpoint's
 decode.final_beam_size, so that the default reproduces the run's own test_exprate. The JSON goes next to the
 checkpoint as eval-<split>.json unless --out says otherwise. --predictions FILE writes every expression's
 reference, prediction and edit distance as JSON lines and prints the most frequent edits (which symbol was read as
-which, which was dropped or added), over a least-edit alignment of each pair. Exit code 2: a missing or bad
+which, which was dropped or added), over a least-edit alignment of each pair. --read-range OUT reads the validation split greedily at scale 1
+and at data.read_range.scales (the CROHME preset's 0.7, 0.85, 1.2 and 1.4 where the checkpoint's config has none)
+and writes a copy of the checkpoint to OUT whose ink_stats record the symbol sizes the model reads, as train.py
+does with data.read_range (OUT may be the checkpoint itself: it is replaced atomically). Exit code 2: a missing or bad
 checkpoint, override, data set or --predictions path, named in one sentence on stderr.
 """
 
@@ -32,9 +36,11 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from wapstable.checkpoint import load_checkpoint, save_checkpoint
 from wapstable.cli import run_script
 from wapstable.config import CONF_DIR, checkpoint_config, register_configs
 from wapstable.data.batches import SPLITS, check_labels, load_splits
+from wapstable.data.normalize import check_read_range, read_factors
 from wapstable.errors import UserError
 from wapstable.eval.evaluation import (
     check_length_power,
@@ -49,6 +55,7 @@ from wapstable.eval.metrics import confusions, format_confusions, format_sets_ta
 log = logging.getLogger("wapstable")
 # Only these parts of the config mean anything here: the model is the checkpoint's.
 ALLOWED = ("data", "decode", "trainer.device", "trainer.threads")
+READ_SCALES = (0.7, 0.85, 1.2, 1.4)  # --read-range's scales where the checkpoint's data.read_range has none
 
 
 def compose(saved: dict, overrides: list[str]):
@@ -111,6 +118,45 @@ def write_lines(path: Path, records: list[dict]) -> None:
         ) from None
 
 
+def write_read_range(out: Path, ckpt: Path, model, vocab, samples, cfg, device) -> int:
+    """--read-range: the validation `samples` read greedily at scale 1 and at each scale, and a copy of the checkpoint
+    at `out` whose ink_stats record the range the model reads (data.read_range's measure, as train.py takes it)."""
+    d = cfg.data
+    if model.ink_stats is None:
+        raise UserError(
+            f"{ckpt} records no ink statistics (it was trained before they were kept); train it again"
+        )
+    scales = list(d.read_range.scales) or list(READ_SCALES)
+    check_read_range(OmegaConf.create({"scales": scales, "tolerance": d.read_range.tolerance}))
+    readings = {}
+    for f in sorted({1.0, *scales}):
+        result = evaluate_samples(
+            model,
+            vocab,
+            samples,
+            1,
+            cfg.decode.max_len,
+            d.batch.pixel_budget,
+            d.batch.max_batch,
+            device,
+            scales=(f,),
+        )
+        readings[f] = result["exprate"]
+        print(f"scale {f:g}: valid ExpRate {readings[f]:.2f} % (greedy)")
+    if readings[1.0] <= 0:
+        raise UserError(f"{ckpt} reads none of the validation split at scale 1: there is no range to measure")
+    lo, hi = read_factors(readings, float(d.read_range.tolerance))
+    before = tuple(float(v) for v in d.pixel_aug.scale)  # what a checkpoint that does not say was widened by
+    ink = model.ink_stats.rescaled((lo, hi), before=before)
+    state = load_checkpoint(ckpt)
+    state["ink_stats"] = ink.as_dict()
+    save_checkpoint(state, out)
+    print(f"read within {d.read_range.tolerance:g} points from scale {lo:g} to {hi:g}")
+    print(f"recorded: {ink}\n  before: {model.ink_stats}")
+    log.info("wrote %s", out)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="a checkpoint written by train.py (best.pt, last.pt)")
@@ -124,12 +170,22 @@ def main(argv: list[str] | None = None) -> int:
         help="write each expression's reference, prediction and edit distance here (JSON lines) and print the "
         "most frequent edits",
     )
-    args = p.parse_args(argv)
+    p.add_argument(
+        "--read-range",
+        metavar="OUT",
+        help="read the validation split at data.read_range.scales and write a copy of the checkpoint to OUT "
+        "recording the symbol sizes its model reads, for data.normalize",
+    )
+    args = p.parse_intermixed_args(argv)  # options before or after the overrides
+    if args.read_range and Path(args.read_range).is_dir():
+        raise UserError(
+            f"--read-range {args.read_range} is a folder; give the path of the checkpoint to write"
+        )
     if args.predictions and Path(args.predictions).is_dir():
         raise UserError(f"--predictions {args.predictions} is a folder; give the path of a file to write")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
 
-    split = "test"
+    split = "valid" if args.read_range else "test"
     overrides = []
     for o in args.overrides:
         if o.startswith("split="):
@@ -138,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             overrides.append(o)
     if split not in SPLITS:
         raise UserError(f"split={split} is unknown; use one of {', '.join(SPLITS)}")
+    if args.read_range and split != "valid":
+        raise UserError(f"--read-range measures on the validation split; leave split={split} out")
 
     from wapstable.device import resolve_device
     from wapstable.train.threads import resolve_threads
@@ -163,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     samples = check_labels(splits[split], vocab, d.on_error)
     if not samples:
         raise UserError(f"no {split} sample of data={d.name} is left to evaluate")
+    if args.read_range:
+        return write_read_range(Path(args.read_range), ckpt, model, vocab, samples, cfg, device)
     log.info("evaluating %s on %d %s samples of data=%s, beam %d", ckpt, len(samples), split, d.name, beam)
     t0 = time.perf_counter()
 

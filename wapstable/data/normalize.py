@@ -13,8 +13,8 @@ every checkpoint records (`ink_stats`), so evaluate.py and predict.py bring an i
 
 Steps 2 and 3 change pixels the model may read well as they are: resampling blurs, and a redrawn skeleton loses a
 stroke's shape. So a target also records the range of sizes and pens the model saw in training (the spread of its
-training images, widened by data.pixel_aug's scale and pen), and an image inside that range keeps its size or its
-pen. Measured on the WAP authors' 2014 bitmaps with an augmented CROHME model (docs/studies/images.md): resampling and
+training images, widened by data.pixel_aug's scale and pen, or by the scales it reads well: `read_factors`, measured
+at the end of training with data.read_range), and an image inside that range keeps its size or its pen. Measured on the WAP authors' 2014 bitmaps with an augmented CROHME model (docs/studies/images.md): resampling and
 redrawing them read 17.2 % (greedy), leaving them as they are 22.0 %.
 """
 
@@ -39,16 +39,19 @@ SCALE_RANGE = (0.2, 5.0)  # a measured scale factor outside this is a mismeasure
 
 class InkStats(NamedTuple):
     """What a model's ink looks like: the pen's width and a typical symbol's extent, both in px, and the ranges of
-    each that it saw in training ((lo, hi); None: only the value itself, so every image is brought to it)."""
+    each that it saw in training, or reads ((lo, hi); None: only the value itself, so every image is brought to
+    it): its training images' quartiles times the scale `factors` (lo, hi) (None: a checkpoint from before they
+    were kept, whose factors are its data.pixel_aug.scale)."""
 
     stroke_width: float
     symbol_size: float
     stroke_range: tuple[float, float] | None = None
     symbol_range: tuple[float, float] | None = None
+    factors: tuple[float, float] | None = None
 
     def as_dict(self) -> dict:
         d = {"stroke_width": float(self.stroke_width), "symbol_size": float(self.symbol_size)}
-        for key in ("stroke_range", "symbol_range"):
+        for key in ("stroke_range", "symbol_range", "factors"):
             if getattr(self, key) is not None:
                 d[key] = [float(v) for v in getattr(self, key)]
         return d
@@ -57,8 +60,25 @@ class InkStats(NamedTuple):
     def from_dict(cls, d) -> "InkStats | None":
         if not d:
             return None
-        ranges = {k: (float(d[k][0]), float(d[k][1])) for k in ("stroke_range", "symbol_range") if d.get(k)}
-        return cls(float(d["stroke_width"]), float(d["symbol_size"]), **ranges)
+        spans = {
+            k: (float(d[k][0]), float(d[k][1]))
+            for k in ("stroke_range", "symbol_range", "factors")
+            if d.get(k)
+        }
+        return cls(float(d["stroke_width"]), float(d["symbol_size"]), **spans)
+
+    def rescaled(self, factors: tuple[float, float], before: tuple[float, float] = (1.0, 1.0)) -> "InkStats":
+        """The same statistics with the ranges widened by the scale `factors` instead of by the ones they were
+        widened by (`factors`, or `before` where they do not say: the checkpoint's data.pixel_aug.scale)."""
+        was = self.factors or before
+        lo, hi = float(factors[0]), float(factors[1])
+
+        def span(r):
+            return None if r is None else (r[0] / was[0] * lo, r[1] / was[1] * hi)
+
+        return self._replace(
+            stroke_range=span(self.stroke_range), symbol_range=span(self.symbol_range), factors=(lo, hi)
+        )
 
     def __str__(self) -> str:
         def span(r):
@@ -143,6 +163,7 @@ def training_stats(
         float(np.median(symbols)),
         (s_lo * lo, s_hi * hi),
         (y_lo * lo, y_hi * hi),
+        (lo, hi),
     )
 
 

@@ -33,7 +33,7 @@ from wapstable.train.build import load_resume, validate_config
 from wapstable.train.checkpointer import Checkpointer
 from wapstable.train.evaluator import Evaluator
 from wapstable.train.loggers import GUIDE_SCALARS, SYMBOL_MAP_SCALARS
-from wapstable.train.parts import RunParts, build_parts, ink_stats_of
+from wapstable.train.parts import RunParts, build_parts
 from wapstable.train.record import RunRecord
 from wapstable.train.runlog import RunLog
 from wapstable.train.signals import StopSignals
@@ -427,7 +427,7 @@ class Trainer:
             )
             return out
         lo, hi = read_factors(readings, float(rr.tolerance))
-        self.parts.ink_stats = ink_stats_of(self.cfg, self.splits["train"], (lo, hi))
+        self.parts.ink_stats = self.parts.ink_stats.rescaled((lo, hi))
         self.checkpointer.record_ink_stats()
         log.info(
             "data.read_range: valid ExpRate (greedy) at scale %s; read within %g points from %g to %g: "

@@ -64,15 +64,6 @@ class RunParts:
         self.guard.reduce_flag, self.guard.agree = dist.any, dist.agree
 
 
-def ink_stats_of(cfg: DictConfig, samples, scale: tuple[float, float] | None = None) -> InkStats | None:
-    """The ink statistics of the training `samples`, their symbol range widened by `scale` (by default the range
-    they were shown at, data.pixel_aug.scale) and their pen range by data.pixel_aug.pen."""
-    aug = cfg.data.get("pixel_aug")
-    if scale is None:
-        scale = tuple(aug.scale) if aug is not None else (1.0, 1.0)
-    return training_stats([s.image for s in samples], scale=scale, pen=aug is not None and float(aug.pen) > 0)
-
-
 def build_parts(
     cfg: DictConfig,
     resume_state: dict | None,
@@ -91,7 +82,12 @@ def build_parts(
     splits, vocab = build_data(cfg, resume_state)
     # the ink the model learns from, which every checkpoint records: evaluate.py and predict.py bring other
     # images to it (data/normalize.py)
-    ink_stats = ink_stats_of(cfg, splits["train"])
+    aug = cfg.data.get("pixel_aug")
+    ink_stats = training_stats(
+        [s.image for s in splits["train"]],
+        scale=tuple(aug.scale) if aug is not None else (1.0, 1.0),
+        pen=aug is not None and float(aug.pen) > 0,
+    )
     model = build_checked_model(cfg, len(vocab), device, resume_state, resume_path)
     if cfg.init_from and resume_state is None:  # a resumed run has its own weights
         report_init_from(init_from(model, cfg.init_from, vocab), cfg.init_from)
