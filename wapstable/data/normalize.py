@@ -14,8 +14,9 @@ every checkpoint records (`ink_stats`), so evaluate.py and predict.py bring an i
 Steps 2 and 3 change pixels the model may read well as they are: resampling blurs, and a redrawn skeleton loses a
 stroke's shape. So a target also records the range of sizes and pens the model saw in training (the spread of its
 training images, widened by data.pixel_aug's scale and pen, or by the scales it reads well: `read_factors`, measured
-at the end of training with data.read_range), and an image inside that range keeps its size or its pen. Measured on the WAP authors' 2014 bitmaps with an augmented CROHME model (docs/studies/images.md): resampling and
-redrawing them read 17.2 % (greedy), leaving them as they are 22.0 %.
+at the end of training with data.read_range), and an image inside that range keeps its size or its pen. Measured on
+the WAP authors' 2014 bitmaps with an augmented CROHME model (docs/studies/images.md): resampling and redrawing them
+read 17.2 % (greedy), leaving them as they are 22.0 %.
 """
 
 from collections.abc import Sequence
