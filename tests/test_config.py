@@ -49,7 +49,7 @@ def test_defaults():
 
 
 @pytest.mark.parametrize("name", ["synthetic_long", "handwritten", "crohme", "wap_crohme", "densewap_crohme"])
-def test_experiment_presets(name):
+def test_experiment_presets(name, tmp_path):
     found = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
     assert found == ["crohme", "densewap_crohme", "handwritten", "synthetic_long", "wap_crohme"]
     cfg = compose_config(
@@ -103,6 +103,18 @@ def test_experiment_presets(name):
         from wapstable.train.build import pretrain_data
 
         assert cfg.data.batch.curriculum_epochs == 0 and pretrain_data(cfg).batch.curriculum_epochs == 1
+        # the test sets read at three scales (chosen on the validation split), the pretraining's quick test at one;
+        # the checkpoint records the range its model reads (data.read_range)
+        from wapstable.train.stages import plan
+
+        assert list(cfg.decode.scales) == [1.0, 0.85, 1.2]
+        cfg.run_dir = str(tmp_path)
+        cfg.data.root = str(tmp_path)
+        pre = plan(cfg)[0].cfg
+        assert list(pre.decode.scales) == [1.0] and pre.decode.final_beam_size == 1
+        assert (
+            list(cfg.data.read_range.scales) == [0.7, 0.85, 1.2, 1.4] and cfg.data.read_range.tolerance == 3
+        )
         return
     # the papers' recipes: Adadelta lr 1.0, batch 8, global-norm clip 100, beam 10, no wall-clock limit
     assert cfg.data.name == "crohme" and cfg.data.batch.max_batch == 8 and cfg.trainer.max_minutes == 0

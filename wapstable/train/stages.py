@@ -69,7 +69,7 @@ def plan(cfg: DictConfig) -> list[Stage]:
                 "eval_every": p.eval_every,
                 "checkpoint_every": p.eval_every,
             },
-            "decode": {"final_beam_size": 1},
+            "decode": {"final_beam_size": 1, "scales": [1.0]},  # its test a quick greedy check
         },
     )
     pretrain.data = pretrain_data(cfg)
