@@ -22,6 +22,7 @@ READINGS = {0.7: 20.0, 0.85: 28.0, 1.0: 30.0, 1.2: 27.5, 1.4: 26.0}
         ({0.7: 30.0, 0.85: 10.0, 1.0: 30.0}, 3.0, (1.0, 1.0)),  # 0.7 is not reached past 0.85
         ({1.0: 12.0}, 3.0, (1.0, 1.0)),  # no other factor read
         ({0.5: 9.0, 1.0: 12.0, 2.0: 9.0}, 3.0, (0.5, 2.0)),  # exactly at the tolerance counts as read
+        ({0.7: 0.0, 1.0: 0.0, 1.2: 0.0}, 3.0, None),  # nothing read at scale 1: no range measured
     ],
 )
 def test_read_factors(readings, tolerance, expected):

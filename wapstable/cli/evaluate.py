@@ -18,11 +18,12 @@ wrong). With no decode.beam_size given, the beam is the checkpoint's
 decode.final_beam_size, so that the default reproduces the run's own test_exprate. The JSON goes next to the
 checkpoint as eval-<split>.json unless --out says otherwise. --predictions FILE writes every expression's
 reference, prediction and edit distance as JSON lines and prints the most frequent edits (which symbol was read as
-which, which was dropped or added), over a least-edit alignment of each pair. --read-range OUT reads the validation split greedily at scale 1
-and at data.read_range.scales (the CROHME preset's 0.7, 0.85, 1.2 and 1.4 where the checkpoint's config has none)
-and writes a copy of the checkpoint to OUT whose ink_stats record the symbol sizes the model reads, as train.py
-does with data.read_range (OUT may be the checkpoint itself: it is replaced atomically). Exit code 2: a missing or bad
-checkpoint, override, data set or --predictions path, named in one sentence on stderr.
+which, which was dropped or added), over a least-edit alignment of each pair. --read-range OUT reads the
+validation split greedily at scale 1 and at data.read_range.scales (the CROHME preset's 0.7, 0.85, 1.2 and 1.4
+where the checkpoint's config has none) and writes a copy of the checkpoint to OUT whose ink_stats record the
+symbol sizes the model reads, as train.py does with data.read_range (OUT may be the checkpoint itself: it is
+replaced atomically). Exit code 2: a missing or bad checkpoint, override, data set or --predictions path, named
+in one sentence on stderr.
 """
 
 import argparse
@@ -143,11 +144,12 @@ def write_read_range(out: Path, ckpt: Path, model, vocab, samples, cfg, device) 
         )
         readings[f] = result["exprate"]
         print(f"scale {f:g}: valid ExpRate {readings[f]:.2f} % (greedy)")
-    if readings[1.0] <= 0:
+    factors = read_factors(readings, float(d.read_range.tolerance))
+    if factors is None:
         raise UserError(f"{ckpt} reads none of the validation split at scale 1: there is no range to measure")
-    lo, hi = read_factors(readings, float(d.read_range.tolerance))
+    lo, hi = factors
     before = tuple(float(v) for v in d.pixel_aug.scale)  # what a checkpoint that does not say was widened by
-    ink = model.ink_stats.rescaled((lo, hi), before=before)
+    ink = model.ink_stats.rescaled(factors, before=before)
     state = load_checkpoint(ckpt)
     state["ink_stats"] = ink.as_dict()
     save_checkpoint(state, out)

@@ -182,9 +182,12 @@ def check_read_range(read_range) -> None:
         )
 
 
-def read_factors(readings: dict[float, float], tolerance: float) -> tuple[float, float]:
+def read_factors(readings: dict[float, float], tolerance: float) -> tuple[float, float] | None:
     """The scale factors a model reads well, from `readings` (factor -> ExpRate, 1.0 among them): the smallest and
-    the largest factor reached from 1 without passing one that reads more than `tolerance` points below 1's."""
+    the largest factor reached from 1 without passing one that reads more than `tolerance` points below 1's; None
+    where it reads nothing at scale 1, which measures no range."""
+    if readings[1.0] <= 0:
+        return None
     floor = readings[1.0] - tolerance
     span = []
     for side in (

@@ -419,15 +419,16 @@ class Trainer:
         readings = self.evaluator.read_scales(best, rr.scales)
         shown = ", ".join(f"{f:g}: {r:.2f}%" for f, r in readings.items())
         out = {"read_scales": {f"{f:g}": r for f, r in readings.items()}}
-        if readings[1.0] <= 0:
+        factors = read_factors(readings, float(rr.tolerance))
+        if factors is None:
             log.warning(
                 "data.read_range: the model reads none of the validation split (%s); the range it was "
                 "shown is recorded",
                 shown,
             )
             return out
-        lo, hi = read_factors(readings, float(rr.tolerance))
-        self.parts.ink_stats = self.parts.ink_stats.rescaled((lo, hi))
+        lo, hi = factors
+        self.parts.ink_stats = self.parts.ink_stats.rescaled(factors)
         self.checkpointer.record_ink_stats()
         log.info(
             "data.read_range: valid ExpRate (greedy) at scale %s; read within %g points from %g to %g: "

@@ -51,8 +51,8 @@ FORMAT_VERSION = 2
 HANDWRITING_VERSION = 2
 SPLITS = ("train", "valid", "test")
 # data.jitter, data.distort, data.allographs, data.script_place, data.font_mix, data.spacing and data.size_jitter at
-# their defaults (data.schema.SyntheticData): a handwritten glyph as its expression's font has drawn it, where mathtext put
-# it, at data.symbol_size
+# their defaults (data.schema.SyntheticData): a handwritten glyph as its expression's font has drawn it, where
+# mathtext put it, at data.symbol_size
 GLYPH_STRAYING = {
     "jitter": 1.0,
     "distort": 0.0,
