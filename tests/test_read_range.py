@@ -7,7 +7,7 @@ import pytest
 from conftest import TINY, compose_config, refusal_in_process, run_train
 
 from wapstable.checkpoint import load_checkpoint
-from wapstable.data.normalize import InkStats, read_factors
+from wapstable.data.normalize import InkStats, read_factors, readings_at
 from wapstable.errors import UserError
 
 READINGS = {0.7: 20.0, 0.85: 28.0, 1.0: 30.0, 1.2: 27.5, 1.4: 26.0}
@@ -27,6 +27,21 @@ READINGS = {0.7: 20.0, 0.85: 28.0, 1.0: 30.0, 1.2: 27.5, 1.4: 26.0}
 )
 def test_read_factors(readings, tolerance, expected):
     assert read_factors(readings, tolerance) == expected
+
+
+@pytest.mark.parametrize(
+    "scales, read_in_order",
+    [
+        ([1.4, 0.7, 1.2], [0.7, 1.0, 1.2, 1.4]),  # scale 1 added, smallest first
+        ([1.0, 0.85], [0.85, 1.0]),  # scale 1 given: read once
+        ([], [1.0]),
+    ],
+)
+def test_readings_at_reads_scale_1_and_each_scale_once(scales, read_in_order):
+    read = []
+    readings = readings_at(lambda f: read.append(f) or 10 * f, scales)
+    assert read == read_in_order
+    assert readings == {f: 10 * f for f in read_in_order}
 
 
 @pytest.mark.parametrize(

@@ -41,7 +41,7 @@ from wapstable.checkpoint import load_checkpoint, save_checkpoint
 from wapstable.cli import run_script
 from wapstable.config import CONF_DIR, checkpoint_config, register_configs
 from wapstable.data.batches import SPLITS, check_labels, load_splits
-from wapstable.data.normalize import check_read_range, read_factors
+from wapstable.data.normalize import check_read_range, read_factors, readings_at
 from wapstable.errors import UserError
 from wapstable.eval.evaluation import (
     check_length_power,
@@ -129,9 +129,9 @@ def write_read_range(out: Path, ckpt: Path, model, vocab, samples, cfg, device) 
         )
     scales = list(d.read_range.scales) or list(READ_SCALES)
     check_read_range(OmegaConf.create({"scales": scales, "tolerance": d.read_range.tolerance}))
-    readings = {}
-    for f in sorted({1.0, *scales}):
-        result = evaluate_samples(
+
+    def read(f: float) -> float:
+        exprate = evaluate_samples(
             model,
             vocab,
             samples,
@@ -141,9 +141,11 @@ def write_read_range(out: Path, ckpt: Path, model, vocab, samples, cfg, device) 
             d.batch.max_batch,
             device,
             scales=(f,),
-        )
-        readings[f] = result["exprate"]
-        print(f"scale {f:g}: valid ExpRate {readings[f]:.2f} % (greedy)")
+        )["exprate"]
+        print(f"scale {f:g}: valid ExpRate {exprate:.2f} % (greedy)")
+        return exprate
+
+    readings = readings_at(read, scales)
     factors = read_factors(readings, float(d.read_range.tolerance))
     if factors is None:
         raise UserError(f"{ckpt} reads none of the validation split at scale 1: there is no range to measure")

@@ -19,7 +19,7 @@ the WAP authors' 2014 bitmaps with an augmented CROHME model (docs/studies/image
 read 17.2 % (greedy), leaving them as they are 22.0 %.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -180,6 +180,12 @@ def check_read_range(read_range) -> None:
         raise UserError(
             f"data.read_range.tolerance={read_range.tolerance} must be >= 0 (points of ExpRate below scale 1)"
         )
+
+
+def readings_at(read: Callable[[float], float], scales: Sequence[float]) -> dict[float, float]:
+    """`read(f)`, a split's ExpRate at scale factor f, at 1 and at each of `scales`, smallest factor first: the
+    readings `read_factors` takes (train.py's data.read_range and evaluate.py's --read-range)."""
+    return {f: read(f) for f in sorted({1.0, *scales})}
 
 
 def read_factors(readings: dict[float, float], tolerance: float) -> tuple[float, float] | None:

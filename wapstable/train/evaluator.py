@@ -6,6 +6,7 @@ from pathlib import Path
 import torch
 
 from wapstable.checkpoint import load_checkpoint
+from wapstable.data.normalize import readings_at
 from wapstable.device import autocast
 from wapstable.eval.evaluation import evaluate_samples, score_test_sets
 from wapstable.model.loss import sequence_loss
@@ -19,8 +20,11 @@ class Evaluator:
         self.parts = parts
 
     @torch.no_grad()
-    def evaluate(self, split: str, beam_size: int | None = None, samples=None, scales=(1.0,)) -> dict:
-        """Metrics (and teacher-forced loss) of a split (or of `samples` of it), read at `scales`."""
+    def evaluate(
+        self, split: str, beam_size: int | None = None, samples=None, scales=(1.0,), with_loss: bool = True
+    ) -> dict:
+        """Metrics (and, `with_loss`, the teacher-forced loss) of a split (or of `samples` of it), read at
+        `scales`."""
         p = self.parts
         cfg = p.cfg
         p.model.scale_energies(1.0)  # faults act on training steps only
@@ -39,7 +43,7 @@ class Evaluator:
             cfg.data.batch.pixel_budget,
             cfg.data.batch.max_batch,
             p.device,
-            loss_fn=loss_fn,
+            loss_fn=loss_fn if with_loss else None,
             scales=tuple(scales),
             length_power=float(cfg.decode.length_power),
         )
@@ -53,9 +57,10 @@ class Evaluator:
         """The validation split's greedy ExpRate at scale 1 and at each of `scales`, read by the checkpoint at
         `best_path` (the model as it is, where there is none): what data.read_range records."""
         self.load_best(best_path)
-        return {
-            f: self.evaluate("valid", beam_size=1, scales=(f,))["exprate"] for f in sorted({1.0, *scales})
-        }
+        # the loss is the same at every scale (teacher-forced on the images as they are) and not recorded
+        return readings_at(
+            lambda f: self.evaluate("valid", beam_size=1, scales=(f,), with_loss=False)["exprate"], scales
+        )
 
     def load_best(self, best_path: Path) -> None:
         if best_path.is_file():
