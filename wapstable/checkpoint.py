@@ -180,3 +180,10 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def inference_weights(state: dict) -> dict:
+    """The weights a checkpoint is read with: its average where the run kept one (trainer.ema_decay), else its
+    training weights."""
+    ema = state.get("ema")
+    return ema["weights"] if isinstance(ema, dict) and "weights" in ema else state["model"]

@@ -199,6 +199,9 @@ class TrainerConfig:
     # torch intra-op threads: auto = the cores this process may use divided by the processes sharing them
     # (torchrun's ranks, a joblib sweep's parallel jobs); a number; 0 = torch's default (every core)
     threads: int | str = "auto"
+    # An exponential moving average of the weights, the model that validation, best.pt, the test and inference read
+    # (wapstable/train/ema.py): its decay per applied step, e.g. 0.999; 0 = off
+    ema_decay: float = 0.0
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
-from wapstable.checkpoint import load_checkpoint
+from wapstable.checkpoint import inference_weights, load_checkpoint
 from wapstable.config import Config, checkpoint_config
 from wapstable.data.batches import collate, make_batches
 from wapstable.data.normalize import InkStats, normalize, read_image  # noqa: F401 (read_image: the image-file API)
@@ -52,7 +52,7 @@ def load_model(
         ) from None
     model = build_model(cfg.model, len(vocab))
     try:
-        model.load_state_dict(state["model"])
+        model.load_state_dict(inference_weights(state))
     except RuntimeError as e:
         first = str(e).splitlines()[0]
         raise UserError(f"{ckpt_path}: its weights do not fit its own model config ({first})") from None

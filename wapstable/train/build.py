@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from wapstable.checkpoint import load_checkpoint
+from wapstable.checkpoint import inference_weights, load_checkpoint
 from wapstable.config import Config, checkpoint_config, rendered_defaults, typed_data
 from wapstable.data.batches import BatchStream, check_labels, filter_samples, load_splits, load_vocab
 from wapstable.data.normalize import InkStats, check_read_range
@@ -40,6 +40,10 @@ def validate_config(cfg: DictConfig) -> None:
             raise UserError(f"trainer.{key}={t[key]} must be a positive number of steps")
     if t.max_minutes < 0:
         raise UserError(f"trainer.max_minutes={t.max_minutes} must be >= 0 (0 = no time limit)")
+    if not 0 <= t.ema_decay < 1:
+        raise UserError(
+            f"trainer.ema_decay={t.ema_decay} must be in [0, 1): the weight the average keeps per step, 0 for none"
+        )
     if t.precision not in ("32", "bf16", "fp16"):
         raise UserError(f"trainer.precision={t.precision!r} is unknown; use 32, bf16 or fp16")
     build_clip(cfg.clip)  # the rule checks its own options
@@ -336,7 +340,7 @@ def init_from(model: torch.nn.Module, path: str | Path, vocab: Vocab) -> dict:
     pairs = [(i, src_rows[t]) for i, t in enumerate(vocab.tokens) if t in src_rows]
     dst_idx = torch.tensor([i for i, _ in pairs], dtype=torch.long)
     src_idx = torch.tensor([j for _, j in pairs], dtype=torch.long)
-    own, saved = model.state_dict(), state["model"]
+    own, saved = model.state_dict(), inference_weights(state)  # the average, where the run kept one
     # A training-only head (the counting head, the symbol map) in one model and not the other is not another model:
     # a head the checkpoint lacks keeps its fresh initialisation, one this model lacks is left behind.
     fresh = sorted({k.split(".")[0] for k in set(own) - set(saved) if k.split(".")[0] in TRAINING_HEADS})

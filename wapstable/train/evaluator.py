@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from wapstable.checkpoint import load_checkpoint
+from wapstable.checkpoint import inference_weights, load_checkpoint
 from wapstable.data.normalize import readings_at
 from wapstable.device import autocast
 from wapstable.eval.evaluation import evaluate_samples, score_test_sets
@@ -14,7 +14,7 @@ from wapstable.train.parts import RunParts
 
 
 class Evaluator:
-    """Reads `parts.model` on `parts.splits` as `parts.cfg.decode` says."""
+    """Reads `parts.eval_model` (the model, or its average) on `parts.splits` as `parts.cfg.decode` says."""
 
     def __init__(self, parts: RunParts):
         self.parts = parts
@@ -27,7 +27,8 @@ class Evaluator:
         `scales`."""
         p = self.parts
         cfg = p.cfg
-        p.model.scale_energies(1.0)  # faults act on training steps only
+        model = p.eval_model
+        model.scale_energies(1.0)  # faults act on training steps only
 
         def loss_fn(model, batch):
             with autocast(p.device, cfg.trainer.precision):
@@ -35,7 +36,7 @@ class Evaluator:
             return sequence_loss(logits, batch.targets, batch.target_mask)
 
         return evaluate_samples(
-            p.model,
+            model,
             p.vocab,
             p.splits[split] if samples is None else samples,
             beam_size or cfg.decode.beam_size,
@@ -64,7 +65,7 @@ class Evaluator:
 
     def load_best(self, best_path: Path) -> None:
         if best_path.is_file():
-            self.parts.model.load_state_dict(load_checkpoint(best_path)["model"])
+            self.parts.eval_model.load_state_dict(inference_weights(load_checkpoint(best_path)))
 
     def test(self, best_path: Path) -> dict[str, dict]:
         """The test sets one by one, read by the checkpoint at `best_path` (the model as it is, where there is

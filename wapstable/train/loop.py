@@ -222,6 +222,8 @@ class Trainer:
             batch = augment_batch(batch, aug.scale, aug.pen, aug.blur, aug.binarize)
         rng_before = rng_state() if self.cfg.guard.checkpoint_on_anomaly else None
         result = self.train_step(batch, rng_before)
+        if self.parts.ema is not None and not result.skipped:
+            self.parts.ema.update(self.model)
         self.parts.fault.preempt(self.step)
         self.rollback.note_step(self.step, result.counted)
         if result.skipped:
@@ -366,7 +368,7 @@ class Trainer:
         n = self.cfg.stats.attention_images
         chosen = list(self.splits["valid"][:n]) if n > 0 else []
         self.parts.stats.seconds += self.runlog.attention(
-            self.model, chosen, self.vocab, self.cfg.decode.max_len, self.step
+            self.parts.eval_model, chosen, self.vocab, self.cfg.decode.max_len, self.step
         )
         if self.record.add_eval(record):
             self.checkpointer.save("best")

@@ -22,6 +22,7 @@ from wapstable.stability.rollback import Rollback
 from wapstable.stability.step_guard import StepGuard
 from wapstable.train import distributed
 from wapstable.train.build import build_checked_model, build_data, build_stream, init_from
+from wapstable.train.ema import WeightAverage
 from wapstable.train.optim import build_optimizer, build_scheduler
 from wapstable.train.signals import preemption_signal
 
@@ -53,6 +54,12 @@ class RunParts:
     spikes: SpikeDetector
     stats: GradStats
     guard: StepGuard
+    ema: WeightAverage | None = None  # trainer.ema_decay: the averaged weights, the model that is read
+
+    @property
+    def eval_model(self) -> torch.nn.Module:
+        """The model that validation, the test and the attention images read: the average where there is one."""
+        return self.ema.module if self.ema is not None else self.model
 
     @property
     def budget(self) -> SkipBudget:
@@ -138,6 +145,8 @@ def build_parts(
         spikes=spikes,
         stats=stats,
         guard=guard,
+        # from the weights the run starts with (a resumed run's average is loaded with the rest of its state)
+        ema=WeightAverage(model, cfg.trainer.ema_decay) if cfg.trainer.ema_decay > 0 else None,
     )
 
 
