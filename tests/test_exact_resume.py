@@ -27,9 +27,11 @@ CASES = {
     ],
     # fp16 on the CPU: the GradScaler's scale and growth tracker go on where they were.
     "fp16_scaler": ["trainer.precision=fp16"],
+    # the average of the weights (trainer.ema_decay) and its count of updates go on where they were
+    "ema": ["trainer.ema_decay=0.5"],
 }
 # The training state of last.pt (not the config, which names the resume, nor the clock or the evaluations).
-KEYS = ("step", "model", "optimizer", "scheduler", "scaler", "guard", "counters", "stream", "rollback")
+KEYS = ("step", "model", "ema", "optimizer", "scheduler", "scaler", "guard", "counters", "stream", "rollback")
 
 
 def fit(run_dir, cache_dir, *overrides):
@@ -55,6 +57,10 @@ def test_resume_is_bit_identical(tmp_path, cache_dir, case):
     elif case == "spike_window":
         assert len(half["guard"]["spikes"]["losses"]) == N // 2
         assert straight["guard"]["budget"]["spikes"] >= 1 and half["guard"]["budget"]["spikes"] == 0
+    elif case == "ema":
+        assert half["ema"]["updates"] == N // 2 and straight["ema"]["updates"] == N
+        model, average = straight["model"], straight["ema"]["weights"]
+        assert any(not torch.equal(model[k], average[k]) for k in model if model[k].is_floating_point())
     else:
         fresh = torch.amp.GradScaler("cpu").state_dict()
         assert half["scaler"] and half["scaler"] != fresh
