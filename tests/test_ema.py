@@ -15,7 +15,7 @@ from wapstable.data.vocab import Vocab
 from wapstable.eval.evaluation import load_model
 from wapstable.model.wap import build_model
 from wapstable.train.build import init_from
-from wapstable.train.ema import WeightAverage
+from wapstable.train.ema import WeightAverage, warmed_decay
 
 
 def test_the_average_follows_its_formula_and_starts_from_the_weights():
@@ -26,14 +26,20 @@ def test_the_average_follows_its_formula_and_starts_from_the_weights():
     assert ema.updates == 0 and torch.equal(ema.module.weight, model.weight)
     ema.update(model)  # the first update copies
     with torch.no_grad():
-        model.weight.fill_(5.0)
-    ema.update(model)  # 0.75 * 1 + 0.25 * 5
+        model.weight.fill_(12.0)
+    ema.update(model)  # after 1 update the warm-up's decay, 2 / 11: 2 / 11 * 1 + 9 / 11 * 12 = 10
     assert ema.updates == 2
-    assert torch.allclose(ema.module.weight, torch.full((1, 2), 2.0))
+    assert torch.allclose(ema.module.weight, torch.full((1, 2), 10.0))
+    ema.averaged.n_averaged.fill_(100)  # after 100 updates, (1 + 100) / 110 > 0.75: the decay itself
+    with torch.no_grad():
+        model.weight.fill_(14.0)
+    ema.update(model)  # 0.75 * 10 + 0.25 * 14
+    assert torch.allclose(ema.module.weight, torch.full((1, 2), 11.0))
     assert not ema.module.weight.requires_grad
+    assert warmed_decay(0.999, 0) == 0.1 and warmed_decay(0.999, 10**6) == 0.999
     restored = WeightAverage(torch.nn.Linear(2, 1), decay=0.75)
     restored.load_state_dict(ema.state_dict())
-    assert restored.updates == 2 and torch.equal(restored.module.weight, ema.module.weight)
+    assert restored.updates == 101 and torch.equal(restored.module.weight, ema.module.weight)
 
 
 def test_a_run_reads_its_average_and_a_skipped_step_leaves_it(tmp_path, cache_dir):

@@ -1,5 +1,7 @@
 """The exponential moving average of a run's weights (trainer.ema_decay): after every step the optimizer applied,
-averaged = decay * averaged + (1 - decay) * weights, parameters and buffers alike (torch's AveragedModel).
+averaged = d * averaged + (1 - d) * weights, parameters and buffers alike (torch's AveragedModel), with
+d = min(decay, (1 + n) / (10 + n)) after n updates: a warm-up, so that the average of a young run (the first
+validations, a short pretraining) is not mostly its random initialisation (0.999 ** 500 = 0.61 of it at step 500).
 
 With it on, the averaged weights are the run's model for everything that reads: validation (and so best.pt),
 the read range, the final test, and every checkpoint's `ema` entry, which evaluate.py, predict.py and init_from
@@ -15,8 +17,12 @@ class WeightAverage:
 
     def __init__(self, model: torch.nn.Module, decay: float):
         self.decay = float(decay)
-        self.averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(self.decay), use_buffers=True)
+        self.averaged = AveragedModel(model, multi_avg_fn=self.average, use_buffers=True)
         self.averaged.requires_grad_(False)
+
+    def average(self, averaged: list, current: list, n) -> None:
+        """The update after `n` updates (AveragedModel's multi_avg_fn): torch's EMA at the warmed-up decay."""
+        get_ema_multi_avg_fn(warmed_decay(self.decay, int(n)))(averaged, current, n)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -45,3 +51,8 @@ class WeightAverage:
     def load_state_dict(self, state: dict) -> None:
         self.module.load_state_dict(state["weights"])
         self.averaged.n_averaged.fill_(int(state["updates"]))
+
+
+def warmed_decay(decay: float, n: int) -> float:
+    """The decay of the update after `n` updates: `decay`, or less while (1 + n) / (10 + n) is less."""
+    return min(decay, (1 + n) / (10 + n))
