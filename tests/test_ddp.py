@@ -284,3 +284,17 @@ def test_torchrun_without_a_run_directory_is_one_sentence_and_exit_2(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "error: under torchrun every rank must write to the same run directory" in proc.stderr
     assert "Traceback" not in proc.stderr and not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_the_average_of_the_weights_under_ddp(tmp_path, cache_dir):
+    """trainer.ema_decay on 2 ranks: the skip on rank 1 leaves the average on both (3 updates of 4 steps), and what
+    the run reads (its test, evaluate.py's load) is the average rank 0 saved."""
+    run = tmp_path / "run"
+    proc = torchrun([*NAN_ON_RANK1, "trainer.ema_decay=0.5"], run, cache_dir)
+    assert proc.returncode == 0, explain(proc)
+    last = load_checkpoint(run / "checkpoints" / "last.pt")
+    assert last["ema"]["updates"] == 3 and last["counters"]["accepted"] == 3
+    model, average = last["model"], last["ema"]["weights"]
+    assert any(not torch.equal(model[k], average[k]) for k in model if model[k].is_floating_point())
+    assert checksums(run / "train.log") == checksums(run / "train.rank1.log")

@@ -116,3 +116,12 @@ def test_init_from_takes_the_average(tmp_path):
     init_from(fresh, tmp_path / "src.pt", vocab)
     for key, value in fresh.state_dict().items():
         assert torch.equal(value, averaged.state_dict()[key]), key
+
+
+def test_a_resume_that_turns_the_average_on_starts_it_from_the_weights(tmp_path, cache_dir):
+    run = tmp_path / "run"
+    run_train([], run, cache_dir)  # 3 steps without an average
+    run_train(["resume=auto", "trainer.max_steps=6", "trainer.ema_decay=0.5"], run, cache_dir)
+    last = load_checkpoint(run / "checkpoints" / "last.pt")
+    assert last["step"] == 6 and last["config"]["trainer"]["ema_decay"] == 0.5
+    assert last["ema"]["updates"] == 3  # the resumed steps only: the average starts at the resumed weights
