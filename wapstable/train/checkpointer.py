@@ -49,14 +49,12 @@ class Checkpointer:
         }
 
     def restore_training(self, state: dict) -> None:
-        """Model (and its average), optimizer, schedule, GradScaler and the clip rule's state (AutoClip's history) from a state: what
-        resume, a rollback and the benchmark's reset have in common."""
+        """Model (and its average), optimizer, schedule, GradScaler and the clip rule's state (AutoClip's history)
+        from a state: what resume, a rollback and the benchmark's reset have in common."""
         p = self.parts
         p.model.load_state_dict(state["model"])
-        if p.ema is not None and state.get("ema"):
-            p.ema.load_state_dict(state["ema"])
-        elif p.ema is not None:  # a state written without an average (trainer.ema_decay turned on) starts one
-            p.ema.reset(p.model)
+        if p.ema is not None:
+            p.ema.restore(state.get("ema"), p.model)
         p.optimizer.load_state_dict(state["optimizer"])
         p.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler"):

@@ -5,8 +5,8 @@ validations, a short pretraining) is not mostly its random initialisation (0.999
 
 With it on, the averaged weights are the run's model for everything that reads: validation (and so best.pt),
 the read range, the final test, and every checkpoint's `ema` entry, which evaluate.py, predict.py and init_from
-load in place of the training weights (`checkpoint.inference_weights`). The training weights stay under `model`: resume,
-rollback and an anomaly replay start from them. A skipped step leaves the average as it is."""
+load in place of the training weights (`checkpoint.inference_weights`). The training weights stay under `model`:
+resume, rollback and an anomaly replay start from them. A skipped step leaves the average as it is."""
 
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -39,10 +39,14 @@ class WeightAverage:
         self.averaged.update_parameters(model)
 
     @torch.no_grad()
-    def reset(self, model: torch.nn.Module) -> None:
-        """Start again from `model`'s weights (a checkpoint written without an average)."""
-        self.module.load_state_dict(model.state_dict())
-        self.averaged.n_averaged.zero_()
+    def restore(self, state: dict | None, model: torch.nn.Module) -> None:
+        """The average of a saved state; where it has none (trainer.ema_decay turned on at a resume), start again
+        from `model`'s weights as loaded."""
+        if state:
+            self.load_state_dict(state)
+        else:
+            self.module.load_state_dict(model.state_dict())
+            self.averaged.n_averaged.zero_()
 
     def state_dict(self) -> dict:
         return {"decay": self.decay, "updates": self.updates, "weights": self.module.state_dict()}
