@@ -228,9 +228,50 @@ def test_pool_last_false_halves_the_stride_and_keeps_padding_invisible(size):
     torch.testing.assert_close(again[:1], alone, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("size", [(13, 29), (16, 32), (3, 5)])
+@pytest.mark.parametrize("block_convs", [[1, 2], [2, 1]])
+def test_first_stride_2_strides_the_first_conv_and_keeps_padding_invisible(size, block_convs):
+    torch.manual_seed(0)
+    strided = build_model(tiny_cfg("vgg", first_stride=2, block_convs=block_convs), V)
+    pooled = build_model(tiny_cfg("vgg", block_convs=block_convs), V)
+    assert strided.watcher.stride == pooled.watcher.stride == 4
+    assert strided.watcher.blocks[0][0][0].stride == (2, 2) and pooled.watcher.blocks[0][0][0].stride == (
+        1,
+        1,
+    )
+    assert sum(p.numel() for p in strided.parameters()) == sum(p.numel() for p in pooled.parameters())
+    x, mask = pad_batch([torch.rand(*size)])
+    features, feat_mask = strided.encode(x, mask)
+    assert (
+        features.shape[-2:]
+        == pooled.encode(x, mask)[0].shape[-2:]
+        == (math.ceil(size[0] / 4), math.ceil(size[1] / 4))
+    )
+    randomise_batchnorm(strided)
+    strided.eval()
+    y, tmask = targets(2, 5)
+    with torch.no_grad():
+        alone = strided(x, mask, y[:1], tmask[:1])
+        batched = strided(*pad_batch([x[0, 0, : size[0], : size[1]], torch.rand(23, 47)]), y, tmask)
+        wide = strided(
+            *pad_batch([torch.rand(23, 47), x[0, 0, : size[0], : size[1]]]), y.flip(0), tmask.flip(0)
+        )
+    torch.testing.assert_close(batched[:1], alone, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(wide[1:], alone, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(batched[1:], batched[:1])  # the other image reads otherwise: the check can fail
+    # One block only: the strided conv is its pool; pool_last says nothing more.
+    for pool_last in (True, False):
+        one = build_model(
+            tiny_cfg("vgg", channels=[4], block_convs=[], first_stride=2, pool_last=pool_last), V
+        )
+        assert one.watcher.stride == 2
+
+
 def test_bad_config_names_the_key():
     with pytest.raises(UserError, match="model.watcher.block_convs"):
         build_model(tiny_cfg("vgg", block_convs=[1, 2, 3]), V)
+    with pytest.raises(UserError, match="model.watcher.first_stride=3 must be 1"):
+        build_model(tiny_cfg("vgg", first_stride=3), V)
     with pytest.raises(UserError, match="model.watcher._target_=resnet is not an importable class"):
         build_model(tiny_cfg("resnet"), V)
     with pytest.raises(UserError, match="model.watcher.growht"):

@@ -28,6 +28,7 @@ def make_old(state: dict) -> None:
     model = config["model"]
     watcher = model.pop("watcher")
     assert watcher["_target_"] == "wapstable.model.watchers.vgg.VGGWatcher"
+    assert watcher.pop("first_stride") == 1  # a key the watchers gained after the flat keys were gone
     model |= {k: v for k, v in watcher.items() if k != "_target_"}
     model |= {"watcher": "vgg", **OLD_WATCHER_KEYS, "dense_compression": 0.5}
     data = config["data"]
