@@ -58,6 +58,12 @@ def test_bench_quick(tmp_path, cache_dir):
     assert positive(skip["anomaly"]["checkpoint_bytes"]) and positive(skip["anomaly"]["localize_s"])
 
     assert len(res["attention"]) == 5  # softmax and attention step at two sizes, and the whole model
+    assert "| watcher, forward + backward |" in proc.stdout and len(res["watcher"]) == 2  # debug=tiny's VGG
+    for label, r in res["watcher"].items():
+        assert r["first_stride=1"]["ratio"]["median"] == 1.0, label
+        assert positive(r["first_stride=2"]["seconds"]["median"]) and positive(
+            r["first_stride=2"]["ratio"]["median"]
+        )
     for name, r in res["attention"].items():
         for v in ("stable", "naive"):
             assert positive(r[v]["seconds"]["median"]) and positive(r[v]["saved_bytes"]), (name, v)

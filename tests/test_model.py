@@ -377,3 +377,18 @@ def test_label_smoothing_is_the_smoothed_cross_entropy_of_the_training_loss_only
     torch.testing.assert_close(forward_loss(smoothed, batch), by_hand)
     torch.testing.assert_close(forward_loss(plain, batch), sequence_loss(logits, y, tmask))
     assert not torch.allclose(by_hand, forward_loss(plain, batch))
+
+
+def test_first_stride_through_train_py(tmp_path, cache_dir):
+    """model.watcher.first_stride=2 reaches the watcher a run trains and the checkpoint it writes (a wrong value is
+    refused by the watcher itself: test_bad_config_names_the_key)."""
+    from conftest import run_train
+
+    from wapstable.checkpoint import load_checkpoint
+    from wapstable.eval.evaluation import load_model
+
+    run = tmp_path / "run"
+    run_train(["model.watcher.first_stride=2"], run, cache_dir)
+    assert load_checkpoint(run / "checkpoints" / "last.pt")["config"]["model"]["watcher"]["first_stride"] == 2
+    watcher = load_model(run / "checkpoints" / "last.pt")[0].watcher
+    assert watcher.blocks[0][0][0].stride == (2, 2) and not watcher.pools[0]

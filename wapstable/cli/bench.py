@@ -17,7 +17,9 @@ from the same weights and optimizer state and runs the same batches, so every va
 4. the default config's samples per second at its default batch in a loop like `fit`'s, the share of that loop
    spent waiting for `stream.next()`, and the synthetic renderer's images per second in one process;
 5. a skipped step (non-finite input) against a normal one, and the anomaly checkpoint and localisation that a
-   real skip adds, timed apart.
+   real skip adds, timed apart;
+6. the VGG watcher's first conv strided 2 (`model.watcher.first_stride=2`) against its first pool: the watcher's
+   forward and backward, on the benchmark's batches and on a batch of the CROHME preset's size.
 
 On CUDA it also counts host synchronisations per step in each mode (`torch.cuda.set_sync_debug_mode("warn")`).
 Claims about speed live here, measured; tests only smoke-test this script (`--quick`) and never assert timings.
@@ -346,6 +348,44 @@ def bench_data(base: list[str], tmp: Path, fit_steps: int, renders: int, dev: De
     }
 
 
+def bench_watcher(sb: StepBench, repeats: int) -> dict:
+    """Section 7 of docs/benchmark.md: the VGG watcher's first conv strided (`model.watcher.first_stride=2`)
+    against the first pool (1): forward and backward of the watcher alone, the same weights, on the benchmark's
+    batches and on a batch of CROHME's size (12 images 160 x 156 px, `experiment=crohme`'s 300k-pixel budget).
+    {} for another watcher."""
+    from wapstable.model.watchers import build_watcher
+    from wapstable.model.watchers.vgg import VGGWatcher
+
+    reference = sb.reference.model.watcher
+    if not isinstance(reference, VGGWatcher):
+        return {}
+    watchers = {}
+    for stride in (1, 2):  # the same weights: only the first conv's stride and the pool differ
+        watcher = build_watcher({**dict(sb.cfg.model.watcher), "first_stride": stride})
+        watcher.load_state_dict(reference.state_dict())
+        watchers[f"first_stride={stride}"] = watcher.to(sb.dev.device)
+    g = torch.Generator().manual_seed(0)
+    crohme = torch.rand(12, 1, 160, 156, generator=g).to(sb.dev.device)
+    inputs = {
+        f"the benchmark's batches ({len(sb.batches)})": [(b.images, b.image_mask) for b in sb.batches],
+        "a CROHME-sized batch (12 x 160 x 156)": [(crohme, torch.ones_like(crohme[:, 0]))],
+    }
+    out = {}
+    for label, batches in inputs.items():
+
+        def block(watcher: torch.nn.Module, batches=batches) -> Callable[[], float]:
+            def run() -> None:
+                watcher.zero_grad(set_to_none=True)
+                for images, mask in batches:
+                    m = mask.unsqueeze(1).to(images.dtype)
+                    watcher(images * m, m)[0].sum().backward()
+
+            return partial(sb.dev.timed, run)
+
+        out[label] = ratios(interleave({k: block(w) for k, w in watchers.items()}, repeats), "first_stride=1")
+    return out
+
+
 # ---- report ----
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -398,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
         res["skip"]["anomaly"] = bench_anomaly_write(sb, size["repeats"])
         log.info("attention: stable against naive")
         res["attention"] = bench_attention(sb, size["repeats"], size["micro_s"])
+        log.info("watcher: first conv strided against the first pool")
+        res["watcher"] = bench_watcher(sb, size["repeats"])
         log.info("data: the default config's loop and the renderer")
         res["data"] = bench_data(base, Path(tmp), size["fit_steps"], size["renders"], sb.dev)
     res["machine"]["load_average_end"] = machine(sb.dev).get("load_average")

@@ -129,6 +129,16 @@ def table(res: dict) -> str:
             f"{fmt_bytes(s['peak_bytes'])} / {fmt_bytes(n['peak_bytes'])} |"
         )
 
+    if res.get("watcher"):
+        lines += [
+            "",
+            "| watcher, forward + backward | first_stride=1 | first_stride=2 | 2 vs 1 |",
+            "|---|---|---|---|",
+        ]
+        for k, r in res["watcher"].items():
+            one, two = r["first_stride=1"], r["first_stride=2"]
+            lines.append(f"| {k} | {fmt_ms(one)} | {fmt_ms(two)} | {fmt_ratio(two)} |")
+
     d = res["data"]
     lines += [
         "",
