@@ -25,7 +25,7 @@ class VGGWatcher(nn.Module):
         # false: no pool after the last block, annotations at half the stride (8 for 4 blocks)
         pool_last: bool = True
         # 2: the first conv strided 2 in place of the first block's pool, so nothing runs at the input's full
-        # resolution but that conv's output (the same stride, about 1.3x faster a watcher step on 2 CPU cores)
+        # resolution but that conv's output (the same stride; 0.81x the watcher's time: docs/benchmark.md)
         first_stride: int = 1
 
     def __init__(
