@@ -235,13 +235,11 @@ def test_first_stride_2_strides_the_first_conv_and_keeps_padding_invisible(size,
     strided = build_model(tiny_cfg("vgg", first_stride=2, block_convs=block_convs), V)
     pooled = build_model(tiny_cfg("vgg", block_convs=block_convs), V)
     assert strided.watcher.stride == pooled.watcher.stride == 4
-    assert strided.watcher.blocks[0][0][0].stride == (2, 2) and pooled.watcher.blocks[0][0][0].stride == (
-        1,
-        1,
-    )
+    assert strided.watcher.blocks[0][0][0].stride == (2, 2)
+    assert pooled.watcher.blocks[0][0][0].stride == (1, 1)
     assert sum(p.numel() for p in strided.parameters()) == sum(p.numel() for p in pooled.parameters())
     x, mask = pad_batch([torch.rand(*size)])
-    features, feat_mask = strided.encode(x, mask)
+    features, _ = strided.encode(x, mask)
     assert (
         features.shape[-2:]
         == pooled.encode(x, mask)[0].shape[-2:]

@@ -349,10 +349,10 @@ def bench_data(base: list[str], tmp: Path, fit_steps: int, renders: int, dev: De
 
 
 def bench_watcher(sb: StepBench, repeats: int) -> dict:
-    """Section 7 of docs/benchmark.md: the VGG watcher's first conv strided (`model.watcher.first_stride=2`)
-    against the first pool (1): forward and backward of the watcher alone, the same weights, on the benchmark's
-    batches and on a batch of CROHME's size (12 images 160 x 156 px, `experiment=crohme`'s 300k-pixel budget).
-    {} for another watcher."""
+    """Section 6 (item 7 of docs/benchmark.md): the VGG watcher's first conv strided
+    (`model.watcher.first_stride=2`) against the first pool (1): forward and backward of the watcher alone, the same
+    weights, on the benchmark's batches and on a batch of CROHME's size (12 images 160 x 156 px, `experiment=crohme`'s
+    300k-pixel budget). {} for another watcher."""
     from wapstable.model.watchers import build_watcher
     from wapstable.model.watchers.vgg import VGGWatcher
 

@@ -69,15 +69,14 @@ class VGGWatcher(nn.Module):
         self.pools = [
             not (i == last and not pool_last) and not (i == 0 and first_stride == 2) for i in range(last + 1)
         ]
-        self.first_stride = first_stride
         self.stride = first_stride * 2 ** sum(self.pools)
 
     def forward(self, x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
         """(B, 1, H, W) image and mask -> (B, C, h, w) features and (B, 1, h, w) mask."""
         for i, block in enumerate(self.blocks):
-            for j, layer in enumerate(block):
+            for layer in block:
                 x = layer(x)
-                if i == j == 0 and self.first_stride == 2:
+                if layer[0].stride != (1, 1):  # the first conv, with first_stride=2
                     # A cell of the strided conv (centred on pixel 2k, covering 2k-1..2k+1) is valid where the 2x2 it
                     # strides over has a valid pixel: beyond the image it reads only the zeroed padding, as alone.
                     mask = pool_mask(mask)
