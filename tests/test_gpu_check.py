@@ -148,6 +148,7 @@ def test_a_second_host_sync_per_step_fails(cache_dir, monkeypatch, capsys):
         assert rows[("nan skip", DEFAULT, precision)][0] == "PASS"
 
 
+@pytest.mark.slow  # make test-all; make test keeps a skip that moves a weight and the time limit
 def test_a_counter_that_counts_nothing_fails(cache_dir, monkeypatch, capsys):
     """0 syncs per step is not a pass: the guard's own read is one, so a counter that sees none is broken."""
     monkeypatch.setattr(gpu_checks.SyncCounter, "_tensor_reads", lambda self: contextlib.nullcontext())

@@ -2,13 +2,13 @@
 train.py, and predict.py on a dark-on-light image and its inverted copy."""
 
 import json
-import subprocess
+import os
 import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, python_run, run_train
+from conftest import python_run, run_train
 from PIL import Image, ImageDraw, ImageFont
 
 from wapstable.data.batches import Batch
@@ -284,7 +284,7 @@ def test_evaluate_brings_wap_bitmaps_to_the_checkpoint_ink(tmp_path, cache_dir):
     for s in load_splits(d, which=("test",), ink=model.ink_stats)["test"]:
         m = measure(s.image > 127)
         assert abs(m.stroke_width - model.ink_stats.stroke_width) < 0.8
-    out = subprocess.run(
+    out = python_run(
         [
             sys.executable,
             "scripts/evaluate.py",
@@ -295,10 +295,7 @@ def test_evaluate_brings_wap_bitmaps_to_the_checkpoint_ink(tmp_path, cache_dir):
             "--out",
             str(tmp_path / "e.json"),
         ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**__import__("os").environ, "WAPSTABLE_CACHE": str(cache_dir)},
+        env={**os.environ, "WAPSTABLE_CACHE": str(cache_dir)},
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads((tmp_path / "e.json").read_text())["data"] == "images"

@@ -71,35 +71,9 @@ def test_another_model_is_refused(tmp_path):
 
 def test_pretraining_then_crohme_in_one_command(tmp_path, cache_dir):
     """pretrain.steps: the same model first trains on the rendered data in RUN/pretrain, then the run starts from
-    its best checkpoint; run again (resume=auto) the finished pretraining is not repeated."""
-    import json
-
-    from conftest import run_train
-    from test_crohme import published_layout
-
-    root = published_layout(tmp_path / "CROHME_labeled_2016")
-    run = tmp_path / "run"
-    args = ["data=crohme", f"data.root={root}", "data.height=32", "pretrain.steps=4", "pretrain.eval_every=2"]
-    run_train(args, run, cache_dir)
-    pre = json.loads((run / "pretrain" / "metrics.json").read_text())
-    assert pre["steps"] == 4 and [e["step"] for e in pre["evals"]] == [2, 4]
-    log = (run / "train.log").read_text()
-    assert "data: synthetic, 48 train / 8 valid / 8 test samples" in log  # debug=tiny's pretrain.data
-    assert f"init_from {run / 'pretrain' / 'checkpoints' / 'best.pt'}" in log
-    assert json.loads((run / "metrics.json").read_text())["steps"] == 3
-    before = (run / "pretrain" / "metrics.json").stat().st_mtime_ns
-    run_train([*args, "resume=auto", "trainer.max_steps=6"], run, cache_dir)
-    assert (run / "pretrain" / "metrics.json").stat().st_mtime_ns == before
-    assert json.loads((run / "metrics.json").read_text())["steps"] == 6
-
-    bad = run_train([*args, "pretrain.eval_every=9"], tmp_path / "bad", cache_dir, check=False)
-    assert bad.returncode == 2 and "pretrain.eval_every=9" in bad.stdout + bad.stderr
-
-
-@pytest.mark.slow
-def test_pretrain_in_budget_takes_the_pretraining_s_time_out_of_max_minutes(tmp_path, cache_dir):
-    """pretrain.in_budget: trainer.max_minutes bounds the pretraining and the run together; the run's checkpoints keep
-    the reduced budget, so a resumed run does not get the pretraining's minutes again."""
+    its best checkpoint; run again (resume=auto) the finished pretraining is not repeated. With pretrain.in_budget
+    (experiment=crohme's), the run's checkpoints keep trainer.max_minutes less the pretraining's minutes, resumed
+    too, so a resumed run does not get those minutes again."""
     import json
 
     from conftest import run_train
@@ -110,17 +84,35 @@ def test_pretrain_in_budget_takes_the_pretraining_s_time_out_of_max_minutes(tmp_
     args = ["data=crohme", f"data.root={root}", "data.height=32", "pretrain.steps=4", "pretrain.eval_every=2"]
     budget = [*args, "pretrain.in_budget=true", "trainer.max_minutes=5"]
     run_train(budget, run, cache_dir)
-    spent = json.loads((run / "pretrain" / "metrics.json").read_text())["wall_time_s"] / 60
-    assert spent > 0
-    saved = load_checkpoint(run / "checkpoints" / "last.pt")["config"]["trainer"]
-    assert saved["max_minutes"] == pytest.approx(5 - spent, abs=1e-3) and saved["max_minutes"] < 5
-    assert "pretrain.in_budget: the pretraining took" in (run / "train.log").read_text()
-    run_train(
-        [*budget, "resume=auto", "trainer.max_steps=5"], run, cache_dir
-    )  # resumed: the same reduced budget
-    resumed = load_checkpoint(run / "checkpoints" / "last.pt")
-    assert resumed["step"] == 5 and resumed["config"]["trainer"]["max_minutes"] == saved["max_minutes"]
+    pre = json.loads((run / "pretrain" / "metrics.json").read_text())
+    assert pre["steps"] == 4 and [e["step"] for e in pre["evals"]] == [2, 4]
+    log = (run / "train.log").read_text()
+    assert "data: synthetic, 48 train / 8 valid / 8 test samples" in log  # debug=tiny's pretrain.data
+    assert f"init_from {run / 'pretrain' / 'checkpoints' / 'best.pt'}" in log
+    assert "pretrain.in_budget: the pretraining took" in log
+    assert json.loads((run / "metrics.json").read_text())["steps"] == 3
+    saved = load_checkpoint(run / "checkpoints" / "last.pt")["config"]["trainer"]["max_minutes"]
+    assert saved == pytest.approx(5 - pre["wall_time_s"] / 60, abs=1e-3) and saved < 5
+    before = (run / "pretrain" / "metrics.json").stat().st_mtime_ns
+    run_train([*budget, "resume=auto", "trainer.max_steps=6"], run, cache_dir)
+    assert (run / "pretrain" / "metrics.json").stat().st_mtime_ns == before
+    assert json.loads((run / "metrics.json").read_text())["steps"] == 6
+    assert load_checkpoint(run / "checkpoints" / "last.pt")["config"]["trainer"]["max_minutes"] == saved
 
+    bad = run_train([*args, "pretrain.eval_every=9"], tmp_path / "bad", cache_dir, check=False)
+    assert bad.returncode == 2 and "pretrain.eval_every=9" in bad.stdout + bad.stderr
+
+
+@pytest.mark.slow  # make test-all; make test's test_pretraining_then_crohme_in_one_command has the reduced budget
+def test_pretrain_in_budget_only_when_asked_and_its_refusals(tmp_path, cache_dir):
+    """Without pretrain.in_budget the run keeps the whole trainer.max_minutes; with it, a budget the pretraining uses
+    up, or a pretraining whose time cannot be read, is one sentence and exit 2."""
+    from conftest import run_train
+    from test_crohme import published_layout
+
+    root = published_layout(tmp_path / "CROHME_labeled_2016")
+    args = ["data=crohme", f"data.root={root}", "data.height=32", "pretrain.steps=4", "pretrain.eval_every=2"]
+    budget = [*args, "pretrain.in_budget=true", "trainer.max_minutes=5"]
     plain = tmp_path / "plain"  # without it the run keeps the whole budget
     run_train([*args, "trainer.max_minutes=5"], plain, cache_dir)
     assert load_checkpoint(plain / "checkpoints" / "last.pt")["config"]["trainer"]["max_minutes"] == 5

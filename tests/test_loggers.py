@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, TINY, require_extra, run_train
+from conftest import ROOT, TINY, refusal_in_process, require_extra, run_train
 from omegaconf import OmegaConf
 
 from wapstable.errors import UserError
@@ -322,7 +322,17 @@ def test_the_logger_options_are_the_conf_folder_s():
         } == defaults
 
 
-@pytest.mark.parametrize("package", [pytest.param("mlflow", marks=pytest.mark.slow), "wandb"])
+@pytest.mark.parametrize("package", ["mlflow", "wandb"])
+def test_missing_package_is_refused_in_one_sentence(tmp_path, cache_dir, package, monkeypatch):
+    """The refusal, in this process: the package's import fails as on a machine without the extra (the command:
+    test_missing_package_is_one_sentence_and_exit_2)."""
+    monkeypatch.setitem(sys.modules, package, None)  # import_module(package) now raises ImportError
+    message = refusal_in_process([f"logger=[csv,{package}]"], tmp_path / "run", cache_dir)
+    assert f"logger={package} needs the {package} package" in message and "wapstable[loggers]" in message
+
+
+@pytest.mark.slow  # make test-all; make test has the refusal in process (above)
+@pytest.mark.parametrize("package", ["mlflow", "wandb"])
 def test_missing_package_is_one_sentence_and_exit_2(tmp_path, cache_dir, package):
     """As on a machine without the extra: a package that fails to import shadows the installed one."""
     fake = tmp_path / "site" / package

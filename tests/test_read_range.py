@@ -141,25 +141,16 @@ def test_evaluate_read_range_on_an_existing_checkpoint(tmp_path, cache_dir, monk
 def test_evaluate_read_range_refuses_a_model_that_reads_nothing(tmp_path, cache_dir):
     """The real measurement through the script: a 3-step model reads none of its validation split, so there is no
     range to record: one sentence, exit 2, nothing written."""
-    import subprocess
     import sys
 
-    from conftest import ROOT
+    from conftest import ROOT, python_run
 
     run = tmp_path / "run"
     run_train([], run, cache_dir)
     out = tmp_path / "read.pt"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "evaluate.py"),
-            str(run / "checkpoints" / "best.pt"),
-            "--read-range",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    script = str(ROOT / "scripts" / "evaluate.py")
+    proc = python_run(
+        [sys.executable, script, run / "checkpoints" / "best.pt", "--read-range", out], timeout=300
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert (

@@ -278,13 +278,15 @@ def same_training_state(a_dir: Path, b_dir: Path) -> None:
 
 def test_sigusr2_checkpoints_exits_for_requeue_and_resumes_bit_identical(tmp_path, cache_dir):
     """SLURM's (and submitit's) preemption signal: the step ends, last.pt is written, exit 144 asks for a
-    requeue, and resume=auto ends where an uninterrupted run ends, bit for bit."""
+    requeue, and resume=auto ends where an uninterrupted run ends, bit for bit. While the run holds its directory, a
+    second process started on it is refused and writes nothing."""
     straight = tmp_path / "straight"
     run_train(COMMON, straight, cache_dir)
     run = tmp_path / "run"
     auto = [*COMMON, "resume=auto"]
     r = Run(tmp_path, "usr2", run, cache_dir, auto, PAUSE_AT_STEP=5)
     r.wait_for_pause()
+    refuses_a_second_process(r, run, cache_dir)
     r.proc.send_signal(signal.SIGUSR2)
     r.release()
     assert r.wait() == 144, r.text()
@@ -321,19 +323,26 @@ def listing(run: Path) -> dict:
     }
 
 
+def refuses_a_second_process(holder: "Run", run: Path, cache_dir) -> None:
+    """resume=auto started again, and a fresh run into the directory: exit 2, one sentence, nothing written (not even
+    Hydra's .hydra/ files or train.log)."""
+    before = listing(run)
+    for args in ([*COMMON, "resume=auto"], COMMON):
+        second = run_train(args, run, cache_dir, check=False)
+        out = second.stdout + second.stderr
+        assert second.returncode == 2, out
+        assert f"{run} is in use by another training process (PID {holder.proc.pid})" in out, out
+        assert "Traceback" not in out
+        assert listing(run) == before
+
+
+@pytest.mark.slow  # make test-all; make test refuses the second process in the SIGUSR2 test above
 def test_a_second_process_on_a_run_directory_is_refused_and_a_killed_one_leaves_no_lock(tmp_path, cache_dir):
     run = tmp_path / "run"
     auto = [*COMMON, "resume=auto"]
     r = Run(tmp_path, "holder", run, cache_dir, auto, PAUSE_AT_STEP=5)
     r.wait_for_pause()
-    before = listing(run)
-    for args in (auto, COMMON):  # resume=auto started twice, and a fresh run into a directory in use
-        second = run_train(args, run, cache_dir, check=False)
-        out = second.stdout + second.stderr
-        assert second.returncode == 2, out
-        assert f"{run} is in use by another training process (PID {r.proc.pid})" in out, out
-        assert "Traceback" not in out
-        assert listing(run) == before  # nothing written: not even Hydra's .hydra/ files or train.log
+    refuses_a_second_process(r, run, cache_dir)
     r.kill()  # SIGKILL: the OS drops the lock with the process
     proc = run_train(auto, run, cache_dir)
     assert "resuming from" in proc.stdout + proc.stderr

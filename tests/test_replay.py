@@ -3,13 +3,12 @@
 import copy
 import json
 import math
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn as nn
-from conftest import ROOT, TINY, assert_identical, build_trainer, run_train
+from conftest import ROOT, TINY, assert_identical, build_trainer, python_run, run_train
 from omegaconf import OmegaConf
 
 from wapstable.checkpoint import load_checkpoint, rng_state
@@ -23,9 +22,8 @@ NAIVE = ["model.attention.stable=false", "fault=attention_overflow", "guard.max_
 
 
 def replay_script(*args):
-    """The script as a user runs it: a subprocess."""
-    cmd = [sys.executable, str(ROOT / "scripts" / "replay_anomaly.py"), *map(str, args)]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    """The script as a user runs it: a process of its own."""
+    return python_run([sys.executable, str(ROOT / "scripts" / "replay_anomaly.py"), *args], timeout=300)
 
 
 def script_main(capsys, *args):

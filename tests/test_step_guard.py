@@ -4,12 +4,11 @@ loop, one host sync per taken step, the budget, anomaly checkpoints, and the pla
 import copy
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import ROOT, assert_identical
+from conftest import ROOT, assert_identical, python_run
 from torch import nn
 
 from wapstable.checkpoint import load_checkpoint
@@ -165,12 +164,7 @@ def test_the_budget_can_leave_the_decision_to_the_caller():
 
 
 def test_plain_loop_example_runs():
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "plain_loop.py")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = python_run([sys.executable, str(ROOT / "examples" / "plain_loop.py")], timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "LinearNet: step 3 skipped (non-finite loss" in proc.stdout
     assert "bit-identical" in proc.stdout and "CHANGED" not in proc.stdout

@@ -93,6 +93,7 @@ def test_init_from_starts_the_run_from_those_weights(tmp_path, cache_dir):
     assert not all(torch.equal(fresh[k], src[k]) for k in src)
 
 
+@pytest.mark.slow  # make test-all; make test keeps the reduced budget, saved and resumed (test_init_from.py)
 def test_pretrain_in_budget_ends_the_run_at_the_reduced_budget(tmp_path, cache_dir):
     """trainer.max_minutes=0.15 with a pretraining inside it: the clock that ends the run is what the pretraining
     left, as the log's stop line and the checkpoint say."""
