@@ -120,8 +120,8 @@ BAD_CONFIG_IDS = [
     "threads-word",
     "test-scales",
 ]
-# through train.py in make test: Hydra's refusals (exit 1) and two of train()'s (exit 2); the rest under make test-all
-BY_TRAIN_PY = {"unknown-option", "wrong-type", "bucket", "zero-steps", "optimizer-class"}
+# through train.py in make test: Hydra's refusals (exit 1) and one of train()'s (exit 2); the rest under make test-all
+BY_TRAIN_PY = {"unknown-option", "wrong-type", "zero-steps"}
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import python_run, run_train
+from conftest import python_run, refusal_in_process, run_train
 from PIL import Image, ImageDraw, ImageFont
 
 from wapstable.data.batches import Batch
@@ -251,19 +251,14 @@ def test_images_refusals(tmp_path, cache_dir):
     run = tmp_path / "run"
     proc = run_train(["data=images", f"data.root={tmp_path}"], run, cache_dir, check=False)
     assert proc.returncode == 2 and "finds no captions file and image folder" in proc.stdout + proc.stderr
+    assert not (run / "checkpoints").exists()
+    # the others in this process
     root = comer_folder(tmp_path / "comer", splits=("train",))
     (root / "train" / "img" / "train_0.bmp").write_bytes(b"\x00")
-    proc = run_train(
-        ["data=images", f"data.root={root}", "data.on_error=fail", "data.valid_fraction=0.3"],
-        run,
-        cache_dir,
-        check=False,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2 and "train_0.bmp" in out and "data.on_error=skip" in out
-    proc = run_train(["data.pixel_aug.scale=[1.5,1.0]"], run, cache_dir, check=False)
-    assert proc.returncode == 2 and "data.pixel_aug.scale" in proc.stdout + proc.stderr
-    assert not (run / "checkpoints").exists()
+    args = ["data=images", f"data.root={root}", "data.on_error=fail", "data.valid_fraction=0.3"]
+    said = refusal_in_process(args, run, cache_dir)
+    assert "train_0.bmp" in said and "data.on_error=skip" in said
+    assert "data.pixel_aug.scale" in refusal_in_process(["data.pixel_aug.scale=[1.5,1.0]"], run, cache_dir)
 
 
 def test_evaluate_brings_wap_bitmaps_to_the_checkpoint_ink(tmp_path, cache_dir):
