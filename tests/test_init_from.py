@@ -76,7 +76,7 @@ def test_pretraining_then_crohme_in_one_command(tmp_path, cache_dir):
     too, so a resumed run does not get those minutes again."""
     import json
 
-    from conftest import run_train
+    from conftest import refusal_in_process, run_train
     from test_crohme import published_layout
 
     root = published_layout(tmp_path / "CROHME_labeled_2016")
@@ -98,8 +98,6 @@ def test_pretraining_then_crohme_in_one_command(tmp_path, cache_dir):
     assert (run / "pretrain" / "metrics.json").stat().st_mtime_ns == before
     assert json.loads((run / "metrics.json").read_text())["steps"] == 6
     assert load_checkpoint(run / "checkpoints" / "last.pt")["config"]["trainer"]["max_minutes"] == saved
-
-    from conftest import refusal_in_process
 
     assert "pretrain.eval_every=9" in refusal_in_process(
         [*args, "pretrain.eval_every=9"], tmp_path / "bad", cache_dir
