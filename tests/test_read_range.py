@@ -2,9 +2,10 @@
 of training, not taken from the augmentation's range, and evaluate.py and predict.py normalise to them."""
 
 import json
+import sys
 
 import pytest
-from conftest import TINY, compose_config, refusal_in_process, run_train
+from conftest import ROOT, TINY, compose_config, python_run, refusal_in_process, run_train
 
 from wapstable.checkpoint import load_checkpoint
 from wapstable.data.normalize import InkStats, read_factors, readings_at
@@ -141,10 +142,6 @@ def test_evaluate_read_range_on_an_existing_checkpoint(tmp_path, cache_dir, monk
 def test_evaluate_read_range_refuses_a_model_that_reads_nothing(tmp_path, cache_dir):
     """The real measurement through the script: a 3-step model reads none of its validation split, so there is no
     range to record: one sentence, exit 2, nothing written."""
-    import sys
-
-    from conftest import ROOT, python_run
-
     run = tmp_path / "run"
     run_train([], run, cache_dir)
     out = tmp_path / "read.pt"
